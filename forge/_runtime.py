@@ -1,0 +1,34 @@
+"""Where the kernels run: compiled on a CUDA GPU, or in their interpreters on a CPU.
+
+forge decides this once per process. Triton reads ``TRITON_INTERPRET`` when a kernel is
+decorated, so :func:`ensure_triton_mode` must run before any ``forge_triton`` kernel module is
+imported; ``forge_triton/__init__.py`` calls it first thing.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+
+@functools.cache
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def ensure_triton_mode() -> None:
+    """Turn on Triton's interpreter when there is no CUDA device (unless the user chose)."""
+    if "TRITON_INTERPRET" not in os.environ and not has_cuda():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def kernel_device_ok(t) -> bool:
+    """A tensor the Triton path can take: on CUDA when compiled, on CPU when interpreted."""
+    if triton_interpreted():
+        return t.device.type == "cpu"
+    return t.device.type == "cuda"

@@ -1,0 +1,33 @@
+"""Argument checks shared by the spec modules: clear errors naming the argument."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def tensor(name: str, t, *, min_dim: int = 1) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if t.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
+
+
+def same_device(**named) -> None:
+    items = [(k, v) for k, v in named.items() if v is not None]
+    dev = items[0][1].device
+    for k, v in items[1:]:
+        if v.device != dev:
+            raise ValueError(f"{k} is on {v.device} but {items[0][0]} is on {dev}")
+
+
+def same_shape(a_name: str, a, b_name: str, b) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{a_name} has shape {tuple(a.shape)} but {b_name} has shape {tuple(b.shape)}")
+
+
+def same_dtype(a_name: str, a, b_name: str, b) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}")

@@ -1,0 +1,67 @@
+"""The correctness oracle (DESIGN.md): one routine every kernel test calls.
+
+``check_op`` runs the spec reference in float64 on the CPU, the same reference eagerly in the
+test dtype on the test device, and the kernel; then compares every output and every input
+gradient with ``forge.spec.tolerance``'s rule.
+"""
+from __future__ import annotations
+
+import torch
+
+from forge.spec import tolerance
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, tuple | list) else (x,)
+
+
+def _run(fn, tensors: dict, diff: tuple, kwargs: dict, grads_out, to=None):
+    leaves = {}
+    for name, t in tensors.items():
+        t = t.detach()
+        if to is not None:
+            t = t.to(*to)
+        if name in diff:
+            t = t.clone().requires_grad_(True)
+        leaves[name] = t
+    outs = _as_tuple(fn(**leaves, **kwargs))
+    if grads_out is None:
+        return outs, {}
+    live = [(o, g) for o, g in zip(outs, grads_out) if o.requires_grad]
+    if live and any(o.numel() for o, _ in live):
+        torch.autograd.backward([o for o, _ in live], [g.to(o.device, o.dtype) for o, g in live])
+    grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) for n in diff}
+    return outs, grads
+
+
+def check_op(kernel_fn, ref_fn, tensors: dict, *, diff=(), kwargs=None, reductions=None,
+             out_names=None, dtype=None, backward=True):
+    """Assert forward outputs and input gradients of ``kernel_fn`` against the oracle.
+
+    tensors: name -> input tensor (already in the test dtype, on the test device).
+    diff: names of inputs whose gradients are compared.
+    reductions: name (output or input) -> reduction length for the tolerance.
+    Returns {name: rel err} for reporting.
+    """
+    kwargs = kwargs or {}
+    reductions = reductions or {}
+    dtype = dtype or next(iter(tensors.values())).dtype
+    ref_outs, _ = _run(ref_fn, tensors, (), kwargs, None, to=("cpu", torch.float64))
+    grads_out = None
+    if backward and diff:
+        grads_out = [torch.randn(o.shape, dtype=torch.float64) for o in ref_outs]
+    ref_outs, ref_grads = _run(ref_fn, tensors, diff if backward else (), kwargs, grads_out, to=("cpu", torch.float64))
+    eag_outs, eag_grads = _run(ref_fn, tensors, diff if backward else (), kwargs, grads_out)
+    ker_outs, ker_grads = _run(kernel_fn, tensors, diff if backward else (), kwargs, grads_out)
+    out_names = out_names or [f"out{i}" for i in range(len(ref_outs))]
+    errs = {}
+    assert len(ker_outs) == len(ref_outs), f"kernel returned {len(ker_outs)} outputs, reference {len(ref_outs)}"
+    for name, k, r, e in zip(out_names, ker_outs, ref_outs, eag_outs):
+        assert k.shape == r.shape, f"{name}: shape {tuple(k.shape)} vs reference {tuple(r.shape)}"
+        assert k.dtype == e.dtype, f"{name}: dtype {k.dtype} vs eager {e.dtype}"
+        errs[name] = tolerance.assert_close(name, k, r, e, e.dtype, reductions.get(name, 1))
+    for name in ker_grads:
+        k, r, e = ker_grads[name], ref_grads[name], eag_grads[name]
+        assert k.shape == r.shape and k.dtype == e.dtype, f"grad {name}: {k.shape}/{k.dtype} vs {r.shape}/{e.dtype}"
+        errs["d" + name] = tolerance.assert_close("grad " + name, k, r, e, e.dtype, reductions.get(name, 1))
+    return errs
