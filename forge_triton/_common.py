@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from forge import _runtime
 
@@ -44,3 +46,29 @@ def dot_upcast() -> bool:
     """Triton's interpreter returns garbage for bf16 ``tl.dot``: upcast operands to fp32 there.
     Kernels take this as a constexpr (see shared/MEASURED.md)."""
     return INTERPRET
+
+
+def acc(dtype: torch.dtype):
+    """Compute dtype inside kernels: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def acc_torch(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# Triton's interpreter truncates fp32 -> bf16 instead of rounding to nearest even (even with
+# fp_downcast_rounding="rtne"), which doubles the rounding error of every bf16 output on CPU.
+# Kernels cast their outputs through `cast`: on the GPU it is a plain .to(); interpreted, bf16
+# values are rounded to nearest even by bit arithmetic first, so truncation is then exact.
+FIX_BF16_CAST = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def cast(x, DT: tl.constexpr):
+    if FIX_BF16_CAST:
+        if DT == tl.bfloat16:
+            b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            x = b.to(tl.float32, bitcast=True)
+    return x.to(DT)

@@ -5,6 +5,8 @@ import os
 os.environ.setdefault("FORGE_POISON", "1")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import zlib  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -28,4 +30,4 @@ def device():
 @pytest.fixture(autouse=True)
 def _seed(request):
     # fresh but reproducible inputs per test
-    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,135 @@
+"""RMSNorm in Triton: forward, and backward for x and weight (spec: forge/spec/rmsnorm.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from forge.spec import rmsnorm as spec
+
+from . import _common
+from ._common import cast
+
+MAX_WIDTH = 65536  # one row lives in registers
+
+
+@triton.jit
+def _rmsnorm_fwd_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr,  # (M, N), (N,), (M, N), (M,)
+    stride_x, stride_y, N, eps, offset,
+    BLOCK_N: tl.constexpr, GEMMA: tl.constexpr, ACC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(ACC)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    tl.store(rstd_ptr + row, rstd)
+    xhat = x * rstd
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)
+    if GEMMA:
+        y = xhat * (w + offset)
+    else:
+        # HF rounds the normalised row to the input dtype before scaling by the weight
+        y = cast(xhat, x_ptr.dtype.element_ty).to(ACC) * (w + offset)
+    tl.store(y_ptr + row * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+# Backward. With xhat = x * rstd, rstd = (mean(x^2) + eps)^-1/2 and g = dy * (w + offset):
+#   dx = rstd * (g - xhat * mean(g * xhat))
+#   dw = sum over rows of dy * xhat      (llama: xhat rounded to x's dtype, as HF computes y)
+# Each program walks rows pid, pid + P, ... and keeps its dw partial in registers; the P partial
+# rows are summed afterwards, so no atomics contend on dw.
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr,  # (M,N) (M,N) (N,) (M,) (M,N) (P,N)
+    stride_dy, stride_x, stride_dx, M, N, offset,
+    BLOCK_N: tl.constexpr, GEMMA: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC) + offset
+    dw_acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    for row in range(pid, M, progs):
+        r = tl.full((), 0, tl.int64) + row  # 64-bit offsets; row is a plain int when interpreted
+        x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(dy_ptr + r * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(rstd_ptr + r)
+        xhat = x * rstd
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+        tl.store(dx_ptr + r * stride_dx + cols, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
+        if GEMMA:
+            dw_acc += dy * xhat
+        else:
+            dw_acc += dy * cast(xhat, x_ptr.dtype.element_ty).to(ACC)
+    tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=mask)
+
+
+def _launch_cfg(n: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(max(n, 1))
+    warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    return block, warps
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rmsnorm_fwd(x, weight, eps, casting, offset):
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    m = x2.shape[0]
+    y = _common.empty((m, n), spec.out_dtype(x, weight, casting), x.device)
+    rstd = _common.empty((m,), _common.acc_torch(x.dtype), x.device)
+    if m:
+        block, warps = _launch_cfg(n)
+        _rmsnorm_fwd_kernel[(m,)](
+            x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), n, float(eps), float(offset),
+            BLOCK_N=block, GEMMA=casting == "gemma", ACC=_common.acc(x.dtype), num_warps=warps,
+        )
+    return y.view(x.shape), x2, rstd
+
+
+def rmsnorm_bwd(dy, x2, weight, rstd, casting, offset):
+    m, n = x2.shape
+    dy2 = _rows(dy, n)
+    dx = _common.empty((m, n), x2.dtype, x2.device)
+    if m == 0:
+        return dx, torch.zeros_like(weight)
+    progs = min(m, 4 * _common.num_sms(x2.device))
+    dw_part = _common.empty((progs, n), _common.acc_torch(x2.dtype), x2.device)
+    block, warps = _launch_cfg(n)
+    _rmsnorm_bwd_kernel[(progs,)](
+        dy2, x2, weight.contiguous(), rstd, dx, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0), m, n,
+        float(offset), BLOCK_N=block, GEMMA=casting == "gemma", ACC=_common.acc(x2.dtype), num_warps=warps,
+    )
+    return dx, dw_part.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, casting, offset):
+        y, x2, rstd = rmsnorm_fwd(x, weight, eps, casting, offset)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.cfg = (casting, offset, x.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        casting, offset, shape = ctx.cfg
+        dx, dw = rmsnorm_bwd(dy, x2, weight, rstd, casting, offset)
+        return dx.view(shape), (dw if ctx.needs_input_grad[1] else None), None, None, None
+
+
+def rmsnorm(x, weight, eps: float = 1e-6, *, casting: str = "llama", offset: float = 0.0):
+    """Triton RMSNorm with the signature of ``forge.spec.rmsnorm.reference``."""
+    spec.check(x, weight, eps, casting, offset)
+    _common.check_device(x=x, weight=weight)
+    if x.shape[-1] > MAX_WIDTH:
+        raise ValueError(f"x's last dimension {x.shape[-1]} exceeds the kernel's maximum width {MAX_WIDTH}")
+    return RMSNormFunction.apply(x, weight, eps, casting, offset)

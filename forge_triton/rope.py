@@ -1,0 +1,121 @@
+"""RoPE in Triton: q and k rotated in one launch (spec: forge/spec/rope.py).
+
+One program per (batch, position): it loads the cos/sin row once and rotates every q head and
+every k head at that position. Strides are honoured, so HF's transposed (B, H, S, D) views need
+no copy; outputs take the inputs' strides.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from forge.spec import rope as spec
+
+from . import _common
+from ._common import cast
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, sxh, soh, H, c1, c2, s1, s2, HALF,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < H) & (cols < HALF)
+    x1 = tl.load(x_ptr + heads * sxh + cols, mask=mask, other=0.0).to(ACC)  # (H, D/2)
+    x2 = tl.load(x_ptr + heads * sxh + HALF + cols, mask=mask, other=0.0).to(ACC)
+    if BACKWARD:
+        # dx = g * cos + R^T(g * sin), R^T(v) = [v2, -v1]
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        # y = x * cos + R(x) * sin, R(x) = [-x2, x1]
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    dt = o_ptr.dtype.element_ty
+    tl.store(o_ptr + heads * soh + cols, cast(o1, dt), mask=mask)
+    tl.store(o_ptr + heads * soh + HALF + cols, cast(o2, dt), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+    sqb, sqh, sqs, skb, skh, sks, sqob, sqoh, sqos, skob, skoh, skos, scb, scs,
+    S, HQ, HK, HALF,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // S).to(tl.int64)
+    s = (pid % S).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    cmask = cols < HALF
+    cbase = b * scb + s * scs
+    c1 = tl.load(cos_ptr + cbase + cols, mask=cmask, other=0.0).to(ACC)  # (1, D/2)
+    c2 = tl.load(cos_ptr + cbase + HALF + cols, mask=cmask, other=0.0).to(ACC)
+    s1 = tl.load(sin_ptr + cbase + cols, mask=cmask, other=0.0).to(ACC)
+    s2 = tl.load(sin_ptr + cbase + HALF + cols, mask=cmask, other=0.0).to(ACC)
+    _rotate_heads(q_ptr + b * sqb + s * sqs, qo_ptr + b * sqob + s * sqos, sqh, sqoh, HQ,
+                  c1, c2, s1, s2, HALF, BLOCK_HQ, BLOCK_D, BACKWARD, ACC)
+    _rotate_heads(k_ptr + b * skb + s * sks, ko_ptr + b * skob + s * skos, skh, skoh, HK,
+                  c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D, BACKWARD, ACC)
+
+
+def _lastdim_unit(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _out_like(t):
+    # empty_like keeps a dense permuted layout (HF's transposed views); anything else is compact
+    out = _common.empty_like(t)
+    return out if out.stride(-1) == 1 else _common.empty(t.shape, t.dtype, t.device)
+
+
+def rope_apply(q, k, cos, sin, backward: bool):
+    """Rotate q (B,HQ,S,D) and k (B,HK,S,D); backward=True applies the transpose rotation."""
+    q, k = _lastdim_unit(q), _lastdim_unit(k)
+    cos, sin = _lastdim_unit(cos), _lastdim_unit(sin)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    qo, ko = _out_like(q), _out_like(k)
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
+    if q.numel() == 0 and k.numel() == 0:
+        return qo, ko
+    scb = 0 if cos.shape[0] == 1 else cos.stride(0)
+    half = d // 2
+    block_d = triton.next_power_of_2(half)
+    block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(hk)
+    warps = 4 if (block_hq + block_hk) * block_d <= 4096 else 8
+    _rope_kernel[(b * s,)](
+        q, k, qo, ko, cos, sin,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+        scb, cos.stride(1), s, hq, hk, half,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
+        ACC=_common.acc(q.dtype), num_warps=warps,
+    )
+    return qo, ko
+
+
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rope_apply(q, k, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        dq_in, dk_in = rope_apply(dq, dk, cos, sin, backward=True)
+        return dq_in, dk_in, None, None
+
+
+def rope(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """Triton RoPE with the signature of ``forge.spec.rope.reference``; returns (q_out, k_out)."""
+    spec.check(q, k, cos, sin, unsqueeze_dim)
+    _common.check_device(q=q, k=k, cos=cos, sin=sin)
+    if unsqueeze_dim == 2:  # (B, S, H, D): rotate the (B, H, S, D) view, hand back the same layout
+        qo, ko = RoPEFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return qo.transpose(1, 2), ko.transpose(1, 2)
+    return RoPEFunction.apply(q, k, cos, sin)

@@ -1,0 +1,89 @@
+"""Triton backend specifics: gradcheck in float64, argument errors, agreement with eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import forge_triton
+
+
+def _dev(device):
+    return dict(device=device, dtype=torch.float64)
+
+
+def test_gradcheck_rmsnorm(device):
+    x = torch.randn(3, 10, **_dev(device), requires_grad=True)
+    w = torch.randn(10, **_dev(device), requires_grad=True)
+    for casting, offset in (("llama", 0.0), ("gemma", 1.0)):
+        assert torch.autograd.gradcheck(lambda a, b: forge_triton.rmsnorm(a, b, 1e-6, casting=casting, offset=offset), (x, w))
+
+
+@pytest.mark.parametrize("key", ["swiglu", "geglu"])
+def test_gradcheck_glu(key, device):
+    g = torch.randn(2, 7, **_dev(device), requires_grad=True)
+    u = torch.randn(2, 7, **_dev(device), requires_grad=True)
+    assert torch.autograd.gradcheck(getattr(forge_triton, key), (g, u))
+
+
+def test_gradcheck_rope(device):
+    q = torch.randn(1, 2, 3, 6, **_dev(device), requires_grad=True)
+    k = torch.randn(1, 1, 3, 6, **_dev(device), requires_grad=True)
+    cos, sin = torch.randn(1, 3, 6, **_dev(device)), torch.randn(1, 3, 6, **_dev(device))
+    assert torch.autograd.gradcheck(lambda a, b: forge_triton.rope(a, b, cos, sin), (q, k))
+
+
+def test_rope_matches_transformers(device):
+    from transformers.models.qwen2 import modeling_qwen2
+
+    q = torch.randn(2, 4, 5, 16, device=device, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 5, 16, device=device, dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, 5, 16, device=device).bfloat16(), torch.randn(2, 5, 16, device=device).bfloat16()
+    ref = modeling_qwen2.apply_rotary_pos_emb(q, k, cos, sin)
+    out = forge_triton.rope(q, k, cos, sin)
+    for o, r in zip(out, ref):  # same math, fp32 inside vs bf16 steps: within bf16 rounding
+        torch.testing.assert_close(o, r, rtol=2**-7, atol=2**-6)
+
+
+def test_glu_forward_rounds_like_eager(device):
+    # act(gate) is rounded to bf16 before the product, as eager does: most elements bit-equal
+    g = torch.randn(64, 96, device=device, dtype=torch.bfloat16)
+    u = torch.randn(64, 96, device=device, dtype=torch.bfloat16)
+    eager = torch.nn.functional.silu(g) * u
+    assert (forge_triton.swiglu(g, u) == eager).float().mean() > 0.99
+
+
+# ---------------------------------------------------------------- bad input
+def test_errors_name_the_argument(device):
+    x = torch.randn(4, 8, device=device)
+    w = torch.randn(8, device=device)
+    with pytest.raises(TypeError, match="x must be"):
+        forge_triton.rmsnorm(torch.ones(4, 8, dtype=torch.int32, device=device), w)
+    with pytest.raises(ValueError, match="weight has width 7"):
+        forge_triton.rmsnorm(x, torch.randn(7, device=device))
+    with pytest.raises(ValueError, match="casting"):
+        forge_triton.rmsnorm(x, w, casting="t5")
+    with pytest.raises(ValueError, match="gate has shape"):
+        forge_triton.swiglu(x, torch.randn(4, 9, device=device))
+    with pytest.raises(TypeError, match="gate is torch.float32 but up is torch.float16"):
+        forge_triton.geglu(x, x.half())
+    q = torch.randn(1, 2, 3, 8, device=device)
+    with pytest.raises(ValueError, match="cos must be"):
+        forge_triton.rope(q, q, torch.randn(1, 4, 8, device=device), torch.randn(1, 4, 8, device=device))
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        forge_triton.rope(q[..., :7], q[..., :7], torch.randn(1, 3, 7, device=device), torch.randn(1, 3, 7, device=device))
+    with pytest.raises(TypeError, match="cos must be a torch.Tensor"):
+        forge_triton.rope(q, q, None, None)
+
+
+def test_wrong_device_is_a_clear_error():
+    # the Triton path runs on CUDA (compiled) or on CPU (interpreter), never the other one
+    from forge import _runtime
+
+    other = "cuda" if _runtime.triton_interpreted() else "cpu"
+    if other == "cuda" and not torch.cuda.is_available():
+        x = torch.randn(2, 8, device="meta")
+        w = torch.randn(8, device="meta")
+    else:
+        x, w = torch.randn(2, 8, device=other), torch.randn(8, device=other)
+    with pytest.raises(ValueError, match="triton backend here runs on"):
+        forge_triton.rmsnorm(x, w)
