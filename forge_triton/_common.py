@@ -6,6 +6,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from forge import _runtime
 
@@ -72,3 +73,22 @@ def cast(x, DT: tl.constexpr):
             b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
             x = b.to(tl.float32, bitcast=True)
     return x.to(DT)
+
+
+# tl.exp lowers to the approximate ex2 instruction on the GPU (a few ulp in fp32, growing with
+# |x|), which shows in fp32 outputs; libdevice's expf is correctly rounded to 1 ulp and costs
+# nothing in memory-bound kernels. The interpreter has no libdevice and numpy's exp is exact.
+PRECISE_EXP = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def exp(x):
+    if PRECISE_EXP:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + exp(-x))

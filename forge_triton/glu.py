@@ -27,11 +27,11 @@ def _act_and_grad(g, GELU: tl.constexpr):
     if GELU:
         # 0.5 * (1 + tanh(z)) == sigmoid(2z): no cancellation near 0, unlike 1 - 2 / (e^2z + 1)
         z2 = 2.0 * SQRT_2_OVER_PI * (g + GELU_C * g * g * g)
-        s = tl.sigmoid(z2)
+        s = _common.sigmoid(z2)
         a = g * s
         da = s + 2.0 * g * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * g * g)
     else:
-        s = tl.sigmoid(g)
+        s = _common.sigmoid(g)
         a = g * s
         da = s * (1.0 + g * (1.0 - s))
     return a, da

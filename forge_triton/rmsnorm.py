@@ -16,62 +16,76 @@ MAX_WIDTH = 65536  # one row lives in registers
 @triton.jit
 def _rmsnorm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr,  # (M, N), (N,), (M, N), (M,)
-    stride_x, stride_y, N, eps, offset,
-    BLOCK_N: tl.constexpr, GEMMA: tl.constexpr, ACC: tl.constexpr,
+    stride_x, stride_y, M, N, eps, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr, ACC: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(ACC)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    tl.store(rstd_ptr + row, rstd)
-    xhat = x * rstd
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)
+    # BLOCK_M rows per program: narrow rows (qwen3's per-head norms, width 64) would otherwise
+    # leave each program a few hundred bytes of work.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    cols = tl.arange(0, BLOCK_N)  # (BN,)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)  # (BM, BN)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # (BM,)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    xhat = x * rstd[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(ACC)[None, :]
     if GEMMA:
         y = xhat * (w + offset)
     else:
         # HF rounds the normalised row to the input dtype before scaling by the weight
         y = cast(xhat, x_ptr.dtype.element_ty).to(ACC) * (w + offset)
-    tl.store(y_ptr + row * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + r64 * stride_y + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 # Backward. With xhat = x * rstd, rstd = (mean(x^2) + eps)^-1/2 and g = dy * (w + offset):
 #   dx = rstd * (g - xhat * mean(g * xhat))
 #   dw = sum over rows of dy * xhat      (llama: xhat rounded to x's dtype, as HF computes y)
-# Each program walks rows pid, pid + P, ... and keeps its dw partial in registers; the P partial
-# rows are summed afterwards, so no atomics contend on dw.
+# Each program walks row blocks pid, pid + P, ... and keeps its dw partial in registers; the P
+# partial rows are summed afterwards, so no atomics contend on dw.
 @triton.jit
 def _rmsnorm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr,  # (M,N) (M,N) (N,) (M,) (M,N) (P,N)
     stride_dy, stride_x, stride_dx, M, N, offset,
-    BLOCK_N: tl.constexpr, GEMMA: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC) + offset
-    dw_acc = tl.zeros((BLOCK_N,), dtype=ACC)
-    for row in range(pid, M, progs):
-        r = tl.full((), 0, tl.int64) + row  # 64-bit offsets; row is a plain int when interpreted
-        x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0).to(ACC)
-        dy = tl.load(dy_ptr + r * stride_dy + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + r)
+    cmask = cols < N
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ACC)[None, :] + offset
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for start in range(pid * BLOCK_M, M, progs * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)[:, None]
         xhat = x * rstd
         g = dy * w
-        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
-        tl.store(dx_ptr + r * stride_dx + cols, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=1)[:, None] / N))
+        tl.store(dx_ptr + r64 * stride_dx + cols[None, :], cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         if GEMMA:
             dw_acc += dy * xhat
         else:
             dw_acc += dy * cast(xhat, x_ptr.dtype.element_ty).to(ACC)
-    tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=mask)
+    tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
 
-def _launch_cfg(n: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(max(n, 1))
-    warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
-    return block, warps
+# Launch shape: about TILE elements per program step; tuned on the H200 (bench/tune_rmsnorm.py)
+TILE = 4096
+BWD_PROGS_PER_SM = 4
+
+
+def _launch_cfg(n: int) -> tuple[int, int, int]:
+    block_n = triton.next_power_of_2(max(n, 1))
+    block_m = max(1, min(64, TILE // block_n))
+    tile = block_m * block_n
+    warps = 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
+    return block_m, block_n, warps
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -86,10 +100,11 @@ def rmsnorm_fwd(x, weight, eps, casting, offset):
     y = _common.empty((m, n), spec.out_dtype(x, weight, casting), x.device)
     rstd = _common.empty((m,), _common.acc_torch(x.dtype), x.device)
     if m:
-        block, warps = _launch_cfg(n)
-        _rmsnorm_fwd_kernel[(m,)](
-            x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), n, float(eps), float(offset),
-            BLOCK_N=block, GEMMA=casting == "gemma", ACC=_common.acc(x.dtype), num_warps=warps,
+        block_m, block_n, warps = _launch_cfg(n)
+        _rmsnorm_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), m, n, float(eps), float(offset),
+            BLOCK_M=block_m, BLOCK_N=block_n, GEMMA=casting == "gemma", ACC=_common.acc(x.dtype),
+            num_warps=warps,
         )
     return y.view(x.shape), x2, rstd
 
@@ -100,12 +115,13 @@ def rmsnorm_bwd(dy, x2, weight, rstd, casting, offset):
     dx = _common.empty((m, n), x2.dtype, x2.device)
     if m == 0:
         return dx, torch.zeros_like(weight)
-    progs = min(m, 4 * _common.num_sms(x2.device))
+    block_m, block_n, warps = _launch_cfg(n)
+    progs = min(triton.cdiv(m, block_m), BWD_PROGS_PER_SM * _common.num_sms(x2.device))
     dw_part = _common.empty((progs, n), _common.acc_torch(x2.dtype), x2.device)
-    block, warps = _launch_cfg(n)
     _rmsnorm_bwd_kernel[(progs,)](
         dy2, x2, weight.contiguous(), rstd, dx, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0), m, n,
-        float(offset), BLOCK_N=block, GEMMA=casting == "gemma", ACC=_common.acc(x2.dtype), num_warps=warps,
+        float(offset), BLOCK_M=block_m, BLOCK_N=block_n, GEMMA=casting == "gemma",
+        ACC=_common.acc(x2.dtype), num_warps=warps,
     )
     return dx, dw_part.sum(0).to(weight.dtype)
 

@@ -61,6 +61,9 @@ def _rope_kernel(
                   c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D, BACKWARD, ACC)
 
 
+WARPS = None  # None: by tile size; bench/tune_triton.py sweeps it
+
+
 def _lastdim_unit(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -86,7 +89,7 @@ def rope_apply(q, k, cos, sin, backward: bool):
     half = d // 2
     block_d = triton.next_power_of_2(half)
     block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(hk)
-    warps = 4 if (block_hq + block_hk) * block_d <= 4096 else 8
+    warps = WARPS or (4 if (block_hq + block_hk) * block_d <= 4096 else 8)
     _rope_kernel[(b * s,)](
         q, k, qo, ko, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
