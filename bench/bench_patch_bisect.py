@@ -1,0 +1,211 @@
+"""Where fusion pays on a whole model: eager, each forge kernel alone, all of them together,
+torch.compile, forge under torch.compile and Liger-Kernel, side by side in one process.
+
+    python bench/bench_patch_bisect.py --model qwen2.5-0.5b --mode train --batch 4 --seq-len 1024 \
+        [--backend triton|pallas] [--guard-stats] [--min-elements N] [--lora] [--compile] [--liger]
+    python bench/bench_patch_bisect.py --quick      # tiny CPU smoke test (interpreters)
+
+"train" is a forward with labels plus backward (all parameters trainable, or only the LoRA
+adapters with --lora); "infer" a forward under no_grad. Median step time over --steps steps after
+warm-up; peak memory from torch (and JAX's own peak for the pallas backend: torch cannot see it).
+Writes bench/results/bench_patch_bisect-<gpu>-<stamp>.{json,csv,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import torch  # noqa: E402
+
+import _common as bc  # noqa: E402
+import forge  # noqa: E402
+from presets import PRESETS, build  # noqa: E402
+
+COLUMNS = ["variant", "step_ms", "speedup", "peak_MiB", "mem_frac", "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, bias="none",
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return get_peft_model(model, cfg)
+
+
+def _jax_peak_mib():
+    if "jax" not in sys.modules:
+        return None
+    try:
+        import jax
+
+        st = jax.devices()[0].memory_stats() or {}
+        return st.get("peak_bytes_in_use", 0) / 2**20
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _step_fn(model, mode, ids):
+    if mode == "infer":
+        def step():
+            with torch.no_grad():
+                return model(input_ids=ids).logits
+        return step
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return out.loss
+    return step
+
+
+def _time(step, steps, warmup):
+    for _ in range(warmup):
+        step()
+    bc.sync()
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        bc.sync()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def _run(name, model, a, ids, compile_=False):
+    row = {"variant": name}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    target = model
+    if compile_:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        target = torch.compile(model)
+        t0 = time.perf_counter()
+        _step_fn(target, a.mode, ids)()
+        bc.sync()
+        row["compile_s"] = time.perf_counter() - t0
+        row["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    row["step_ms"] = _time(_step_fn(target, a.mode, ids), a.steps, a.warmup)
+    if torch.cuda.is_available():
+        row["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
+    row["jax_peak_MiB"] = _jax_peak_mib()
+    return row
+
+
+def _plot(rows, path, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [r["variant"] for r in rows if r.get("step_ms")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    axes[0].barh(names, [r["speedup"] for r in rows if r.get("step_ms")])
+    axes[0].axvline(1.0, color="k", lw=0.6)
+    axes[0].set_xlabel("speed-up over eager")
+    axes[1].barh(names, [r.get("mem_frac") or 0 for r in rows if r.get("step_ms")])
+    axes[1].axvline(1.0, color="k", lw=0.6)
+    axes[1].set_xlabel("peak memory / eager's")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    p.add_argument("--mode", default="train", choices=["train", "infer"])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--backend", default="triton", choices=["triton", "pallas"])
+    p.add_argument("--guard-stats", action="store_true")
+    p.add_argument("--min-elements", type=int, default=None)
+    p.add_argument("--lora", action="store_true", help="peft LoRA r=16 on q,k,v,o,gate,up,down")
+    p.add_argument("--compile", action="store_true", help="also torch.compile(model) and forge under compile")
+    p.add_argument("--liger", action="store_true", help="also Liger-Kernel (runs last: it patches globally)")
+    p.add_argument("--no-single", action="store_true", help="skip the one-kernel-at-a-time variants")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="tiny preset on CPU, a few seconds")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.model, a.batch, a.seq_len, a.steps, a.warmup = "tiny", 1, 16, 1, 1
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = build(a.model, dtype, dev)
+    if a.lora:
+        model = _lora(model)
+    model.train(a.mode == "train")
+    if not a.lora and a.mode == "train":
+        model.requires_grad_(True)
+    vocab = PRESETS[a.model]["vocab_size"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab, (a.batch, a.seq_len), generator=g).to(dev)
+
+    glu = "geglu" if PRESETS[a.model]["model_type"].startswith("gemma") else "swiglu"
+    keys = ["rmsnorm", glu, "rope"] + (["fused_linear_ce"] if a.mode == "train" else [])
+    if a.lora and a.mode == "train":
+        keys += ["lora_qkv", "lora_mlp"]
+    base = "peft (eager)" if a.lora else "eager"
+    rows = [_run(base, model, a, ids)]
+    variants = ([] if a.no_single else [(k, [k]) for k in keys]) + [("all", None)]
+    for label, ks in bc.progress(variants, "bisect"):
+        forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements, kernels=ks)
+        row = _run(f"forge {a.backend}: {label}", model, a, ids)
+        row["note"] = f"patched {dict(model._forge_patched_counts)}"
+        if ks is None and a.guard_stats:
+            gs = model._forge_guard_stats
+            gs.reset()
+            _step_fn(model, a.mode, ids)()
+            row["note"] += f" guard {gs.as_dict()}"
+            print("guard stats (one step):", gs.as_dict())
+        forge.unpatch(model)
+        rows.append(row)
+    if a.compile and dev.type == "cuda":
+        rows.append(_run("torch.compile", model, a, ids, compile_=True))
+        forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements)
+        try:
+            rows.append(_run(f"forge {a.backend} + torch.compile", model, a, ids, compile_=True))
+        except Exception as e:  # noqa: BLE001 - report, do not hide
+            rows.append({"variant": f"forge {a.backend} + torch.compile", "note": f"failed: {type(e).__name__}: {e}"[:300]})
+        forge.unpatch(model)
+        torch._dynamo.reset()
+    if a.liger and dev.type == "cuda":
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+            _apply_liger_kernel_to_instance(model=model.get_base_model() if a.lora else model)
+            rows.append(_run("liger-kernel", model, a, ids))
+        except Exception as e:  # noqa: BLE001
+            rows.append({"variant": "liger-kernel", "note": f"unavailable: {type(e).__name__}: {e}"[:300]})
+    eager = rows[0]
+    for r in rows:
+        if r.get("step_ms"):
+            r["speedup"] = eager["step_ms"] / r["step_ms"]
+        if r.get("peak_MiB") and eager.get("peak_MiB"):
+            r["mem_frac"] = r["peak_MiB"] / eager["peak_MiB"]
+    title = f"{a.model} {a.mode} {a.batch}x{a.seq_len}{' lora' if a.lora else ''} ({a.backend})"
+    print(title)
+    bc.print_table(rows, COLUMNS)
+    extra = {"args": vars(a), "title": title}
+    jpath, cpath = bc.write_results(f"bench_patch_bisect-{a.model}-{a.mode}-{a.batch}x{a.seq_len}", rows, extra)
+    png = _plot(rows, jpath.with_suffix(".png"), title)
+    print(f"wrote {jpath}\n      {cpath}" + (f"\n      {png}" if png else ""))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Model presets at the published shapes (random weights: nothing is downloaded)."""
+from __future__ import annotations
+
+PRESETS = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                         max_position_embeddings=32768, hidden_act="silu"),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                       max_position_embeddings=40960, hidden_act="silu"),
+    "gemma-2b": dict(model_type="gemma", hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                     num_attention_heads=8, num_key_value_heads=1, head_dim=256, vocab_size=256000,
+                     rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                     max_position_embeddings=8192, tie_word_embeddings=True),
+    "gemma2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                      rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+                      final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
+                      sliding_window=4096, max_position_embeddings=8192, tie_word_embeddings=True),
+    # --quick: a tiny qwen2 for CPU smoke tests
+    "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+                 rms_norm_eps=1e-6, max_position_embeddings=128, hidden_act="silu"),
+}
+
+
+def build(name: str, dtype, device, attn="sdpa"):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(PRESETS[name])
+    mt = cfg.pop("model_type")
+    config = AutoConfig.for_model(mt, **cfg)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    return model
