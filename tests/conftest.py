@@ -4,6 +4,10 @@ import os
 # shows up as a non-finite error. Set before forge_triton is imported.
 os.environ.setdefault("FORGE_POISON", "1")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+if not os.environ.get("CUDA_VISIBLE_DEVICES", "x") or not os.path.exists("/dev/nvidia0"):
+    # CPU: XLA compiles every interpreted Pallas kernel (~1 s each); its cheapest optimisation
+    # level halves the suite's time and the tiny test shapes do not care.
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 import zlib  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The correctness oracle (DESIGN.md): one routine every kernel test calls.
 
-``check_op`` runs the spec reference in float64 on the CPU, the same reference eagerly in the
+``check_op`` runs the spec reference in float64 (on the test device), the same reference eagerly in the
 test dtype on the test device, and the kernel; then compares every output and every input
 gradient with ``forge.spec.tolerance``'s rule.
 """
@@ -15,7 +15,7 @@ def _as_tuple(x):
     return tuple(x) if isinstance(x, tuple | list) else (x,)
 
 
-def _run(fn, tensors: dict, diff: tuple, kwargs: dict, grads_out, to=None):
+def _forward(fn, tensors: dict, diff: tuple, kwargs: dict, to=None):
     leaves = {}
     for name, t in tensors.items():
         t = t.detach()
@@ -24,14 +24,14 @@ def _run(fn, tensors: dict, diff: tuple, kwargs: dict, grads_out, to=None):
         if name in diff:
             t = t.clone().requires_grad_(True)
         leaves[name] = t
-    outs = _as_tuple(fn(**leaves, **kwargs))
-    if grads_out is None:
-        return outs, {}
+    return _as_tuple(fn(**leaves, **kwargs)), leaves
+
+
+def _backward(outs, leaves, diff, grads_out):
     live = [(o, g) for o, g in zip(outs, grads_out) if o.requires_grad]
     if live and any(o.numel() for o, _ in live):
         torch.autograd.backward([o for o, _ in live], [g.to(o.device, o.dtype) for o, g in live])
-    grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) for n in diff}
-    return outs, grads
+    return {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) for n in diff}
 
 
 def check_op(kernel_fn, ref_fn, tensors: dict, *, diff=(), kwargs=None, reductions=None,
@@ -46,13 +46,16 @@ def check_op(kernel_fn, ref_fn, tensors: dict, *, diff=(), kwargs=None, reductio
     kwargs = kwargs or {}
     reductions = reductions or {}
     dtype = dtype or next(iter(tensors.values())).dtype
-    ref_outs, _ = _run(ref_fn, tensors, (), kwargs, None, to=("cpu", torch.float64))
-    grads_out = None
-    if backward and diff:
-        grads_out = [torch.randn(o.shape, dtype=torch.float64) for o in ref_outs]
-    ref_outs, ref_grads = _run(ref_fn, tensors, diff if backward else (), kwargs, grads_out, to=("cpu", torch.float64))
-    eag_outs, eag_grads = _run(ref_fn, tensors, diff if backward else (), kwargs, grads_out)
-    ker_outs, ker_grads = _run(kernel_fn, tensors, diff if backward else (), kwargs, grads_out)
+    diff = tuple(diff) if backward else ()
+    # the reference in float64 on the test device (CPU in CI; the GPU keeps big shapes fast)
+    dev = next(iter(tensors.values())).device
+    ref_outs, ref_leaves = _forward(ref_fn, tensors, diff, kwargs, to=(dev, torch.float64))
+    grads_out = [torch.randn(o.shape, dtype=torch.float64, device=dev) for o in ref_outs]
+    ref_grads = _backward(ref_outs, ref_leaves, diff, grads_out)
+    eag_outs, eag_leaves = _forward(ref_fn, tensors, diff, kwargs)
+    eag_grads = _backward(eag_outs, eag_leaves, diff, grads_out)
+    ker_outs, ker_leaves = _forward(kernel_fn, tensors, diff, kwargs)
+    ker_grads = _backward(ker_outs, ker_leaves, diff, grads_out)
     out_names = out_names or [f"out{i}" for i in range(len(ref_outs))]
     errs = {}
     assert len(ker_outs) == len(ref_outs), f"kernel returned {len(ker_outs)} outputs, reference {len(ref_outs)}"

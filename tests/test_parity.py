@@ -1,5 +1,14 @@
 """Parity suite: every kernel x backend x dtype against the float64 reference (tests/oracle.py),
-and backend against backend. One shared body per kernel; each backend is one parametrisation."""
+and backend against backend. One shared body per kernel: a case builder makes the inputs, the
+``backend`` parametrisation runs the oracle, the ``agree`` tests run both backends on the same
+inputs and gradients. On CPU both backends run in their interpreters at the tiny shapes; with
+``-m gpu`` at the real ones.
+
+Agreement bound: both backends compute in fp32 and round each output once, so they may differ by
+about one rounding of each output plus fp32 accumulation noise over the reduction:
+``rel_err(triton, pallas) <= 2 * atol(dtype, reduction)`` (tighter than the oracle's rule, which
+also allows twice the eager error).
+"""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +20,7 @@ from forge.spec import rmsnorm as rmsnorm_spec
 from forge.spec import rope as rope_spec
 from forge.spec import shapes
 from forge.spec import swiglu as swiglu_spec
+from forge.spec import tolerance
 from oracle import check_op
 
 BACKENDS = ["triton", "pallas"]
@@ -23,10 +33,6 @@ def _cases(cpu: dict, gpu: dict):
     ]
 
 
-def _kernel(key, backend):
-    return ops.get(key, backend)
-
-
 def _noncontig(t: torch.Tensor) -> torch.Tensor:
     """Same values, last dimension strided by 2: exercises the non-contiguous path."""
     wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
@@ -34,18 +40,72 @@ def _noncontig(t: torch.Tensor) -> torch.Tensor:
     return wide[..., ::2]
 
 
+def _run_both(key, case):
+    """Outputs and input gradients of both backends on identical inputs and output grads."""
+    results = {}
+    grads_out = None
+    for backend in BACKENDS:
+        leaves = {n: (t.detach().clone().requires_grad_(n in case["diff"])) for n, t in case["tensors"].items()}
+        outs = ops.get(key, backend)(**leaves, **case["kwargs"])
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        if grads_out is None:
+            grads_out = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(list(outs), grads_out)
+        results[backend] = [o.detach() for o in outs] + [leaves[n].grad for n in case["diff"]]
+    return results
+
+
+def _assert_agree(key, case):
+    res = _run_both(key, case)
+    names = case["out_names"] + ["grad " + n for n in case["diff"]]
+    red = case["reductions"]
+    red_keys = case["out_names"] + list(case["diff"])
+    for name, rk, t, p in zip(names, red_keys, res["triton"], res["pallas"]):
+        assert t.dtype == p.dtype and t.shape == p.shape, f"{name}: {t.dtype}{tuple(t.shape)} vs {p.dtype}{tuple(p.shape)}"
+        if t.numel() == 0:
+            continue
+        err = tolerance.rel_err(p, t)
+        bound = 2 * tolerance.atol(t.dtype, red.get(rk, 1))
+        assert err <= bound, f"{key} {name}: triton vs pallas rel err {err:.3e} > {bound:.3e}"
+
+
+def _check(key, backend, ref, case):
+    check_op(ops.get(key, backend), ref, case["tensors"], diff=case["diff"], kwargs=case["kwargs"],
+             reductions=case["reductions"], out_names=case["out_names"])
+
+
 # ---------------------------------------------------------------- rmsnorm
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
-@pytest.mark.parametrize("shape", _cases(shapes.RMSNORM_CPU, shapes.RMSNORM_GPU))
-def test_rmsnorm(backend, dtype, casting, offset, shape, device):
+def _rmsnorm_case(x, w, **kwargs):
+    return {"tensors": {"x": x, "weight": w}, "diff": ("x", "weight"), "kwargs": kwargs,
+            "reductions": rmsnorm_spec.reductions(x, w), "out_names": ["y"]}
+
+
+def _rmsnorm_inputs(shape, dtype, casting, device):
     m, n = shape
     x = torch.randn(m, n, device=device, dtype=dtype) * 3
     w = (torch.randn(n, device=device) * 0.5 + (0.0 if casting == "gemma" else 1.0)).to(dtype)
-    check_op(_kernel("rmsnorm", backend), rmsnorm_spec.reference, {"x": x, "weight": w},
-             diff=("x", "weight"), kwargs={"eps": 1e-6, "casting": casting, "offset": offset},
-             reductions=rmsnorm_spec.reductions(x, w))
+    return x, w
+
+
+RMSNORM_MODES = [("llama", 0.0), ("gemma", 1.0)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("casting,offset", RMSNORM_MODES)
+@pytest.mark.parametrize("shape", _cases(shapes.RMSNORM_CPU, shapes.RMSNORM_GPU))
+def test_rmsnorm(backend, dtype, casting, offset, shape, device):
+    x, w = _rmsnorm_inputs(shape, dtype, casting, device)
+    _check("rmsnorm", backend, rmsnorm_spec.reference,
+           _rmsnorm_case(x, w, eps=1e-6, casting=casting, offset=offset))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("casting,offset", RMSNORM_MODES)
+@pytest.mark.parametrize("shape", _cases(shapes.RMSNORM_CPU, shapes.RMSNORM_GPU))
+def test_rmsnorm_agree(dtype, casting, offset, shape, device):
+    x, w = _rmsnorm_inputs(shape, dtype, casting, device)
+    _assert_agree("rmsnorm", _rmsnorm_case(x, w, eps=1e-6, casting=casting, offset=offset))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -55,8 +115,7 @@ def test_rmsnorm_per_head_noncontiguous(backend, dtype, device):
     x = _noncontig(torch.randn(2, 5, 3, 16, device=device, dtype=dtype))
     w = torch.randn(16, device=device, dtype=dtype)
     assert not x.is_contiguous()
-    check_op(_kernel("rmsnorm", backend), rmsnorm_spec.reference, {"x": x, "weight": w},
-             diff=("x", "weight"), kwargs={"eps": 1e-6}, reductions=rmsnorm_spec.reductions(x, w))
+    _check("rmsnorm", backend, rmsnorm_spec.reference, _rmsnorm_case(x, w, eps=1e-6))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -64,12 +123,20 @@ def test_rmsnorm_mixed_dtype_weight(backend, device):
     # fp32 weight with bf16 activations: HF promotes the output to fp32
     x = torch.randn(4, 24, device=device, dtype=torch.bfloat16)
     w = torch.randn(24, device=device, dtype=torch.float32)
-    check_op(_kernel("rmsnorm", backend), rmsnorm_spec.reference, {"x": x, "weight": w},
-             diff=("x", "weight"), kwargs={"eps": 1e-5}, reductions=rmsnorm_spec.reductions(x, w))
+    _check("rmsnorm", backend, rmsnorm_spec.reference, _rmsnorm_case(x, w, eps=1e-5))
 
 
 # ---------------------------------------------------------------- swiglu / geglu
 GLU = {"swiglu": swiglu_spec, "geglu": geglu_spec}
+
+
+def _glu_case(gate, up):
+    return {"tensors": {"gate": gate, "up": up}, "diff": ("gate", "up"), "kwargs": {},
+            "reductions": {}, "out_names": ["y"]}
+
+
+def _glu_inputs(shape, dtype, device):
+    return torch.randn(*shape, device=device, dtype=dtype) * 3, torch.randn(*shape, device=device, dtype=dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -77,9 +144,14 @@ GLU = {"swiglu": swiglu_spec, "geglu": geglu_spec}
 @pytest.mark.parametrize("key", list(GLU))
 @pytest.mark.parametrize("shape", _cases(shapes.GLU_CPU, shapes.GLU_GPU))
 def test_glu(backend, dtype, key, shape, device):
-    gate = torch.randn(*shape, device=device, dtype=dtype) * 3
-    up = torch.randn(*shape, device=device, dtype=dtype)
-    check_op(_kernel(key, backend), GLU[key].reference, {"gate": gate, "up": up}, diff=("gate", "up"))
+    _check(key, backend, GLU[key].reference, _glu_case(*_glu_inputs(shape, dtype, device)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("key", list(GLU))
+@pytest.mark.parametrize("shape", _cases(shapes.GLU_CPU, shapes.GLU_GPU))
+def test_glu_agree(dtype, key, shape, device):
+    _assert_agree(key, _glu_case(*_glu_inputs(shape, dtype, device)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -87,7 +159,7 @@ def test_glu(backend, dtype, key, shape, device):
 def test_glu_noncontiguous(backend, key, device):
     gate = _noncontig(torch.randn(3, 40, device=device))
     up = torch.randn(40, 3, device=device).t()
-    check_op(_kernel(key, backend), GLU[key].reference, {"gate": gate, "up": up}, diff=("gate", "up"))
+    _check(key, backend, GLU[key].reference, _glu_case(gate, up))
 
 
 # ---------------------------------------------------------------- rope
@@ -103,14 +175,24 @@ def _rope_inputs(shape, dtype, device, batch_cos=True):
     return q, k, emb.cos().to(dtype).contiguous(), emb.sin().to(dtype).contiguous()
 
 
+def _rope_case(q, k, cos, sin, **kwargs):
+    return {"tensors": {"q": q, "k": k, "cos": cos, "sin": sin}, "diff": ("q", "k"), "kwargs": kwargs,
+            "reductions": rope_spec.reductions(), "out_names": ["q_out", "k_out"]}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch_cos", [True, False])
 @pytest.mark.parametrize("shape", _cases(shapes.ROPE_CPU, shapes.ROPE_GPU))
 def test_rope(backend, dtype, batch_cos, shape, device):
-    q, k, cos, sin = _rope_inputs(shape, dtype, device, batch_cos)
-    check_op(_kernel("rope", backend), rope_spec.reference, {"q": q, "k": k, "cos": cos, "sin": sin},
-             diff=("q", "k"), out_names=["q_out", "k_out"], reductions=rope_spec.reductions())
+    _check("rope", backend, rope_spec.reference, _rope_case(*_rope_inputs(shape, dtype, device, batch_cos)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_cos", [True, False])
+@pytest.mark.parametrize("shape", _cases(shapes.ROPE_CPU, shapes.ROPE_GPU))
+def test_rope_agree(dtype, batch_cos, shape, device):
+    _assert_agree("rope", _rope_case(*_rope_inputs(shape, dtype, device, batch_cos)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -118,13 +200,18 @@ def test_rope_general_cos_sin(backend, device):
     # halves of cos/sin that differ: the kernel must use full-width rows, not assume duplication
     q, k, _, _ = _rope_inputs((2, 3, 1, 4, 8), torch.float32, device)
     cos, sin = torch.randn(2, 4, 8, device=device), torch.randn(2, 4, 8, device=device)
-    check_op(_kernel("rope", backend), rope_spec.reference, {"q": q, "k": k, "cos": cos, "sin": sin},
-             diff=("q", "k"), out_names=["q_out", "k_out"])
+    _check("rope", backend, rope_spec.reference, _rope_case(q, k, cos, sin))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rope_unsqueeze_dim_2(backend, device):
+@pytest.mark.parametrize("layout", ["bshd_contiguous", "bhsd_contiguous", "strided"])
+def test_rope_layouts(backend, layout, device):
+    # unsqueeze_dim=2 takes (B, S, H, D); also a contiguous (B, H, S, D) view of it and a
+    # view whose strides fit neither layout (the bridge copies that one)
     q, k, cos, sin = _rope_inputs((1, 2, 2, 5, 8), torch.float32, device)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D)
-    check_op(_kernel("rope", backend), rope_spec.reference, {"q": q, "k": k, "cos": cos, "sin": sin},
-             diff=("q", "k"), kwargs={"unsqueeze_dim": 2}, out_names=["q_out", "k_out"])
+    if layout == "bhsd_contiguous":
+        q, k = q.contiguous(), k.contiguous()
+    elif layout == "strided":
+        q, k = _noncontig(q), _noncontig(k)
+    _check("rope", backend, rope_spec.reference, _rope_case(q, k, cos, sin, unsqueeze_dim=2))

@@ -24,9 +24,9 @@ UNIT_ROUNDOFF = {
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative L2 error of ``out`` against ``ref`` (computed in float64 on the CPU)."""
-    o = out.detach().to("cpu", torch.float64)
-    r = ref.detach().to("cpu", torch.float64)
+    """Relative L2 error of ``out`` against ``ref``, computed in float64 on ref's device."""
+    r = ref.detach().to(torch.float64)
+    o = out.detach().to(r.device, torch.float64)
     if o.shape != r.shape:
         raise ValueError(f"shape {tuple(o.shape)} vs reference {tuple(r.shape)}")
     if not torch.isfinite(o).all():

@@ -1,0 +1,76 @@
+"""JAX runtime setup for the bridge: memory, device, interpret mode, availability.
+
+Memory: JAX preallocates 75% of GPU memory when its GPU backend starts, which would starve
+PyTorch in the same process. Importing ``bridge`` sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+unless the user already set it, so JAX grows its pool on demand. This only takes effect if JAX
+has not initialised its backend yet: import ``bridge`` (or ``forge``'s pallas backend) before any
+JAX computation, or export the variable yourself. Other JAX memory variables
+(``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``) are left to the
+user. Note torch's memory statistics do not see JAX's allocations (outputs of bridged kernels
+live in JAX's pool and are handed to torch zero-copy).
+
+Interpret mode: with no GPU in JAX, the Pallas kernels run with ``interpret=True`` (on CPU
+tensors); ``FORGE_PALLAS_INTERPRET=1`` forces it (debugging on a GPU machine).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+@functools.cache
+def jax_module():
+    """Import jax (lazily: ``import bridge`` must not fail when jax is missing)."""
+    import jax
+
+    return jax
+
+
+@functools.cache
+def jax_has_gpu() -> bool:
+    jax = jax_module()
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:  # no GPU backend in this jax build
+        return False
+
+
+def interpret() -> bool:
+    """Whether Pallas kernels run in the interpreter (forge_pallas decides, once per process)."""
+    from forge_pallas import _common
+
+    return _common.interpret()
+
+
+@functools.cache
+def availability() -> tuple[bool, str]:
+    """(usable, reason) for the pallas backend: jax importable, and on a GPU when torch is."""
+    try:
+        jax_module()
+        import jax.experimental.pallas  # noqa: F401
+        import jax.experimental.pallas.triton  # noqa: F401
+    except ImportError as e:
+        return False, f"pallas backend unavailable: jax (with pallas) is not importable ({e}); pip install 'jax[cuda13]'"
+    import torch
+
+    if torch.cuda.is_available() and not jax_has_gpu():
+        return False, (
+            "pallas backend unavailable: torch sees a CUDA GPU but jax has no GPU backend "
+            f"(jax {jax_module().__version__}, devices {jax_module().devices()}); install a CUDA build "
+            "of jax (pip install 'jax[cuda13]') or use backend='triton'"
+        )
+    return True, ""
+
+
+def require() -> None:
+    ok, why = availability()
+    if not ok:
+        from forge.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(why)
+
+
+def x64_enabled() -> bool:
+    return bool(jax_module().config.read("jax_enable_x64"))

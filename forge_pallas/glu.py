@@ -1,0 +1,101 @@
+"""SwiGLU and GeGLU (tanh) activations, forward and backward, as Pallas kernels
+(spec: forge/spec/swiglu.py, forge/spec/geglu.py).
+
+Elementwise over the flattened tensors: ``block`` elements per program, masked tail. fp32 math,
+one rounding per output. The backward recomputes the activation from gate (nothing saved).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import _common as C
+
+_K = math.sqrt(2.0 / math.pi)
+_A = 0.044715
+
+
+def _act(g, kind):
+    """(act(g), act'(g)) in the accumulation dtype."""
+    if kind == "swiglu":
+        s = 1.0 / (1.0 + jnp.exp(-g))  # sigmoid
+        return g * s, s * (1.0 + g * (1.0 - s))
+    # tanh-GELU through p = 0.5 * (1 + tanh(z)) = sigmoid(2z), which does not cancel for g << 0;
+    # 1 - tanh(z)^2 = 4 p (1 - p), so gelu' = p + 2 g p (1 - p) z'
+    z = _K * (g + _A * g * g * g)
+    p = 1.0 / (1.0 + jnp.exp(-2.0 * z))
+    return g * p, p + 2.0 * g * p * (1.0 - p) * _K * (1.0 + 3.0 * _A * g * g)
+
+
+def _glu_fwd_kernel(g_ref, u_ref, y_ref, *, kind, block):
+    total = g_ref.shape[0]
+    acc = C.acc_dtype(g_ref.dtype)
+    i = pl.program_id(0)
+    mask = i * block + jnp.arange(block) < total  # (BLOCK,)
+    s = C.ds(i * block, block)
+    g = C.load(g_ref.at[s], mask=mask, other=0.0).astype(acc)
+    u = C.load(u_ref.at[s], mask=mask, other=0.0).astype(acc)
+    a, _ = _act(g, kind)
+    C.store(y_ref.at[s], (a * u).astype(y_ref.dtype), mask=mask)
+
+
+# y = act(g) * u  =>  dg = dy * u * act'(g),  du = dy * act(g)   (act' in _act, derivations in spec)
+def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, kind, block):
+    total = g_ref.shape[0]
+    acc = C.acc_dtype(g_ref.dtype)
+    i = pl.program_id(0)
+    mask = i * block + jnp.arange(block) < total
+    s = C.ds(i * block, block)
+    g = C.load(g_ref.at[s], mask=mask, other=0.0).astype(acc)
+    u = C.load(u_ref.at[s], mask=mask, other=0.0).astype(acc)
+    dy = C.load(dy_ref.at[s], mask=mask, other=0.0).astype(acc)
+    a, da = _act(g, kind)
+    C.store(dg_ref.at[s], (dy * u * da).astype(dg_ref.dtype), mask=mask)
+    C.store(du_ref.at[s], (dy * a).astype(du_ref.dtype), mask=mask)
+
+
+_BLOCK = 2048  # elements per program: 8 KB..16 KB per tensor, plenty of programs at MLP sizes
+
+# The lowering choice for this kernel lives here (Triton lowering; see _common).
+_launch = C.triton_call
+
+
+def _block(total):
+    return min(_BLOCK, C.next_power_of_2(max(total, 1)))
+
+
+def glu_fwd(gate, up, *, kind):
+    """gate, up (...) -> ((y,), ()) with y = act(gate) * up, kind "swiglu" or "geglu"."""
+    shape, total = gate.shape, gate.size
+    block = _block(total)
+    y = _launch(
+        functools.partial(_glu_fwd_kernel, kind=kind, block=block), name=f"{kind}_fwd",
+        grid=(C.cdiv(total, block),), num_warps=C.warps_for(block) // 2 or 1,
+        out_shape=jax.ShapeDtypeStruct((total,), gate.dtype),
+    )(gate.reshape(-1), up.reshape(-1))
+    return (y.reshape(shape),), ()
+
+
+def glu_bwd(inputs, res, grads, *, kind):
+    """(gate, up), (), (dy,) -> (d_gate, d_up)."""
+    del res
+    gate, up = inputs
+    (dy,) = grads
+    shape, total = gate.shape, gate.size
+    block = _block(total)
+    dg, du = _launch(
+        functools.partial(_glu_bwd_kernel, kind=kind, block=block), name=f"{kind}_bwd",
+        grid=(C.cdiv(total, block),), num_warps=C.warps_for(block) // 2 or 1,
+        out_shape=(jax.ShapeDtypeStruct((total,), gate.dtype), jax.ShapeDtypeStruct((total,), up.dtype)),
+    )(gate.reshape(-1), up.reshape(-1), dy.reshape(-1))
+    return dg.reshape(shape), du.reshape(shape)
+
+
+swiglu_fwd = functools.partial(glu_fwd, kind="swiglu")
+swiglu_bwd = functools.partial(glu_bwd, kind="swiglu")
+geglu_fwd = functools.partial(glu_fwd, kind="geglu")
+geglu_bwd = functools.partial(glu_bwd, kind="geglu")

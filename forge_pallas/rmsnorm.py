@@ -1,0 +1,122 @@
+"""RMSNorm forward and backward as Pallas kernels (spec: forge/spec/rmsnorm.py).
+
+Rows of width N; ``block_m`` rows per program so narrow rows (per-head norms, N = 64) still fill
+a program. Both casting conventions: "llama" rounds the normalised row to x's dtype before the
+weight multiply, "gemma" stays in fp32 to the end; either way one rounding of the output.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import _common as C
+
+
+def _rmsnorm_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, n, eps, casting, offset, block_m, block_n):
+    m = x_ref.shape[0]
+    acc = C.acc_dtype(x_ref.dtype)
+    i = pl.program_id(0)
+    rows = i * block_m + jnp.arange(block_m)  # (BM,)
+    cols = jnp.arange(block_n)  # (BN,)
+    rmask, cmask = rows < m, cols < n
+    mask = rmask[:, None] & cmask[None, :]  # (BM, BN)
+    rs, cs = C.ds(i * block_m, block_m), C.ds(0, block_n)
+    x = C.load(x_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)  # (BM, BN)
+    w = C.load(w_ref.at[cs], mask=cmask, other=0.0).astype(acc)  # (BN,)
+    rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / n + eps)  # (BM,)
+    normed = x * rstd[:, None]
+    if casting == "gemma":
+        y = normed * (offset + w)[None, :]
+    else:  # HF llama: normed.to(x.dtype) before the weight multiply
+        y = (w + offset)[None, :] * normed.astype(x_ref.dtype).astype(acc)
+    C.store(y_ref.at[rs, cs], y.astype(y_ref.dtype), mask=mask)
+    C.store(rstd_ref.at[rs], rstd.astype(rstd_ref.dtype), mask=rmask)
+
+
+# Backward, per row with r = rstd, n_hat = x * r, w' = w + offset, dn = dy * w':
+#   y = w' * n_hat  =>  dx = r * (dn - n_hat * mean(dn * n_hat)),   dw = sum_rows dy * n_hat
+# (llama: n_hat rounded to x's dtype in dw, as in the forward; the cast is the identity for dx).
+# dw without atomics: a persistent grid of G programs, each looping over row blocks
+# pid, pid + G, ... and accumulating its own fp32 partial row; one (G, N) -> (N,) sum in XLA.
+def _rmsnorm_bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dwp_ref, *, n, casting, offset,
+                        block_m, block_n):
+    m = x_ref.shape[0]
+    acc = C.acc_dtype(x_ref.dtype)
+    pid, g = pl.program_id(0), pl.num_programs(0)
+    cols = jnp.arange(block_n)
+    cmask = cols < n
+    cs = C.ds(0, block_n)
+    w = C.load(w_ref.at[cs], mask=cmask, other=0.0).astype(acc) + offset  # (BN,)
+
+    def body(j, dw_acc):
+        blk = pid + j * g
+        rows = blk * block_m + jnp.arange(block_m)
+        rmask = rows < m
+        mask = rmask[:, None] & cmask[None, :]
+        rs = C.ds(blk * block_m, block_m)
+        x = C.load(x_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)  # (BM, BN)
+        dy = C.load(dy_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
+        r = C.load(rstd_ref.at[rs], mask=rmask, other=0.0).astype(acc)  # (BM,)
+        n_hat = x * r[:, None]
+        dn = dy * w[None, :]
+        c = jnp.sum(dn * n_hat, axis=1) / n  # (BM,)
+        dx = r[:, None] * (dn - n_hat * c[:, None])
+        C.store(dx_ref.at[rs, cs], dx.astype(dx_ref.dtype), mask=mask)
+        if casting != "gemma":
+            n_hat = n_hat.astype(x_ref.dtype).astype(acc)
+        return dw_acc + jnp.sum(dy * n_hat, axis=0)
+
+    nblk = C.cdiv(m, block_m)
+    trips = jax.lax.div(nblk - pid + g - 1, C.i32(g))  # this program's row blocks (all operands >= 0)
+    dw = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_n,), acc))
+    C.store(dwp_ref.at[pid, cs], dw.astype(dwp_ref.dtype), mask=cmask)
+
+
+def _config(m, n):
+    block_n = C.next_power_of_2(n)
+    # ~4K values per program: one row at hidden sizes, many rows of a 64-wide head
+    block_m = max(1, min(4096 // block_n, C.next_power_of_2(max(m, 1)), 64))
+    return block_m, block_n, C.warps_for(block_m * block_n)
+
+
+def out_dtype(x_dtype, w_dtype, casting):
+    return jnp.dtype(x_dtype) if casting == "gemma" else jnp.promote_types(x_dtype, w_dtype)
+
+
+# The lowering choice for this kernel lives here (Triton lowering; see _common).
+_launch = C.triton_call
+
+
+def rmsnorm_fwd(x, w, *, eps, casting, offset):
+    """x (M, N), w (N,) -> ((y (M, N),), (rstd (M,),))."""
+    m, n = x.shape
+    block_m, block_n, warps = _config(m, n)
+    kernel = functools.partial(_rmsnorm_fwd_kernel, n=n, eps=eps, casting=casting, offset=offset,
+                               block_m=block_m, block_n=block_n)
+    y, rstd = _launch(
+        kernel, name="rmsnorm_fwd", grid=(C.cdiv(m, block_m),), num_warps=warps,
+        out_shape=(jax.ShapeDtypeStruct((m, n), out_dtype(x.dtype, w.dtype, casting)),
+                   jax.ShapeDtypeStruct((m,), C.acc_dtype(x.dtype))),
+    )(x, w)
+    return (y,), (rstd,)
+
+
+def rmsnorm_bwd(inputs, res, grads, *, eps, casting, offset):
+    """(x, w), (rstd,), (dy,) -> (dx, dw)."""
+    del eps
+    x, w = inputs
+    (rstd,), (dy,) = res, grads
+    m, n = x.shape
+    block_m, block_n, warps = _config(m, n)
+    nprog = max(1, min(C.cdiv(m, block_m), 4 * C.num_cores()))
+    kernel = functools.partial(_rmsnorm_bwd_kernel, n=n, casting=casting, offset=offset,
+                               block_m=block_m, block_n=block_n)
+    dx, dw_partial = _launch(
+        kernel, name="rmsnorm_bwd", grid=(nprog,), num_warps=warps,
+        out_shape=(jax.ShapeDtypeStruct((m, n), x.dtype),
+                   jax.ShapeDtypeStruct((nprog, n), C.acc_dtype(x.dtype))),
+    )(x, w, rstd, dy)
+    return dx, jnp.sum(dw_partial, axis=0).astype(w.dtype)
