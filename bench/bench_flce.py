@@ -1,0 +1,155 @@
+"""Fused linear cross-entropy, forward + backward (grads for hidden and lm_head weight), bf16:
+eager (F.linear + F.cross_entropy on fp32 logits), forge triton, forge pallas, Liger-Kernel.
+
+Each (case, implementation) runs in its own subprocess, so peak-memory counters start clean and
+JAX's peak (not resettable, invisible to torch) belongs to that one run. Reported per run:
+median wall time of a synchronised fwd+bwd step, and peak memory above the inputs: torch's
+``max_memory_allocated`` minus what was allocated before the step (the gradients it returns are
+counted), plus, for pallas, JAX's ``peak_bytes_in_use`` (its pool: tiles, residuals, grads).
+Targets (issue 4): extra memory <= 1/10 of eager's and time <= 1.1x eager's.
+
+    python bench/bench_flce.py                       # both cases, every implementation
+    python bench/bench_flce.py --cases small --impls eager,triton
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+# tokens, hidden, vocab; "tiny" is a plumbing check that also runs on a CPU (interpreters)
+CASES = {"small": (4096, 896, 151936), "large": (16384, 4096, 128256), "tiny": (64, 32, 1000)}
+IMPLS = ("eager", "triton", "pallas", "liger")
+IGNORED = 0.1  # fraction of labels = -100, as in shared/MEASURED.md
+
+
+def _impl(name):
+    import torch.nn.functional as F
+
+    if name == "eager":
+        return lambda h, w, y: F.cross_entropy(F.linear(h, w).float(), y)
+    if name in ("triton", "pallas"):
+        from forge import ops
+
+        return ops.get("fused_linear_ce", name)
+    if name == "liger":
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        loss = LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, y: loss(w, h, y)
+    raise ValueError(name)
+
+
+def run_one(case: str, impl: str, iters: int, warmup: int) -> dict:
+    """One (case, implementation) in this process; returns its row."""
+    import torch
+
+    n, hd, v = CASES[case]
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(n, hd, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, hd, device=dev, generator=g) * hd**-0.5).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, v, (n,), device=dev, generator=g)
+    y[torch.rand(n, device=dev, generator=g) < IGNORED] = -100
+    try:
+        fn = _impl(impl)
+    except ImportError as e:
+        return {"case": case, "impl": impl, "skipped": f"not importable: {e}"}
+
+    def step():
+        loss = fn(h, w, y)
+        loss.backward()
+        return loss
+
+    for _ in range(warmup):
+        step()
+        h.grad = w.grad = None
+    sync()
+    # memory: one step from a clean peak counter, inputs already allocated
+    base = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    loss = step()
+    sync()
+    torch_extra = torch.cuda.max_memory_allocated() - base if cuda else 0
+    loss_val = float(loss)
+    gnorm = (float(h.grad.float().norm()), float(w.grad.float().norm()))
+    h.grad = w.grad = None
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        h.grad = w.grad = None
+    jax_peak = None
+    if impl == "pallas" and cuda:
+        import jax
+
+        jax_peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    extra = torch_extra + (jax_peak or 0)
+    useful = 6.0 * n * hd * v  # eager's three matmuls, the work any implementation must do
+    ms = statistics.median(times)
+    return {"case": case, "impl": impl, "tokens": n, "hidden": hd, "vocab": v, "ms": ms,
+            "ms_min": min(times), "extra_mib": extra / 2**20, "torch_extra_mib": torch_extra / 2**20,
+            "jax_peak_mib": None if jax_peak is None else jax_peak / 2**20,
+            "tflops_useful": useful / ms / 1e9, "loss": loss_val, "grad_h_norm": gnorm[0],
+            "grad_w_norm": gnorm[1]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="small,large")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--one", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print("ROW " + json.dumps(run_one(*args.one, args.iters, args.warmup)))
+        return
+    import _common
+
+    rows = []
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=str(ROOT))
+    for case in args.cases.split(","):
+        for impl in args.impls.split(","):
+            cmd = [sys.executable, __file__, "--one", case, impl, "--iters", str(args.iters),
+                   "--warmup", str(args.warmup)]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = [x for x in p.stdout.splitlines() if x.startswith("ROW ")]
+            if p.returncode or not line:
+                rows.append({"case": case, "impl": impl, "error": (p.stderr or p.stdout)[-2000:]})
+                print(f"{case} {impl}: FAILED\n{rows[-1]['error']}", file=sys.stderr)
+                continue
+            rows.append(json.loads(line[0][4:]))
+    for case in args.cases.split(","):
+        eager = next((r for r in rows if r["case"] == case and r["impl"] == "eager" and "ms" in r), None)
+        for r in rows:
+            if r["case"] == case and "ms" in r and eager:
+                r["time_vs_eager"] = r["ms"] / eager["ms"]
+                r["mem_vs_eager"] = r["extra_mib"] / eager["extra_mib"] if eager["extra_mib"] else None
+                r["loss_diff_vs_eager"] = abs(r["loss"] - eager["loss"])
+                if r["impl"] in ("triton", "pallas"):
+                    r["meets_target"] = r["time_vs_eager"] <= 1.1 and (r["mem_vs_eager"] or 0) <= 0.1
+    cols = ["case", "impl", "ms", "extra_mib", "jax_peak_mib", "tflops_useful", "time_vs_eager",
+            "mem_vs_eager", "loss", "loss_diff_vs_eager", "meets_target", "skipped"]
+    _common.print_table(rows, cols)
+    jpath, cpath = _common.write_results("flce", rows, {"cases": {k: CASES[k] for k in args.cases.split(",")},
+                                                          "ignored_fraction": IGNORED})
+    print(f"wrote {jpath} and {cpath}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Fused linear cross-entropy: the lm_head projection and the token loss in one op.
+
+Equivalent torch (rows already aligned: the patching layer shifts the labels)::
+
+    z = F.linear(hidden.float(), weight.float(), bias)        # (N, V) logits, fp32 always
+    if softcap: z = softcap * torch.tanh(z / softcap)          # gemma2 final_logit_softcapping
+    ce = F.cross_entropy(z, labels, ignore_index=ignore_index,
+                         reduction="none", label_smoothing=label_smoothing)
+    ce = ce + z_loss * torch.logsumexp(z, -1) ** 2 * (labels != ignore_index)
+    loss = ce.sum() / divisor      # divisor: 1 for "sum"; num_items_in_batch if given, else the
+                                   # count of non-ignored labels, for "mean"
+
+The loss is a 0-dim fp32 tensor (fp64 for fp64 inputs). A batch whose labels are all ignored
+gives exactly what torch gives: NaN for "mean" (0 / 0), 0 for "sum", and zero gradients.
+``num_items_in_batch`` follows Hugging Face's ``fixed_cross_entropy``: with it the sum is divided
+by it instead of by the count (gradient accumulation); it may be an int or a 0-dim tensor.
+Labels outside ``[0, V)`` other than ``ignore_index`` are an error here; the kernels cannot
+check them without a host sync and leave the loss undefined for them.
+
+Gradients (the kernels' backward), per row i with p = softmax(z_i), y the label, eps the
+smoothing, s = 1/divisor, t = 1 for valid rows and 0 for ignored ones::
+
+    dL/dz_ij = s * t * (p_j - (1 - eps) [j == y] - eps / V + 2 z_loss lse_i p_j)
+    dL/draw  = dL/dz * (1 - (z / softcap)^2)                   # softcap only
+    grad_h = dL/draw @ W,   grad_W = dL/draw^T @ h,   grad_b = sum_i dL/draw
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _check
+
+REDUCTIONS = ("mean", "sum")
+
+
+def check(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
+          num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0) -> None:
+    _check.tensor("hidden", hidden, min_dim=2)
+    _check.tensor("weight", weight, min_dim=2)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D (tokens, hidden), got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (vocab, hidden), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight has width {weight.shape[1]} but hidden has width {hidden.shape[1]}")
+    _check.same_dtype("hidden", hidden, "weight", weight)
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be int64 or int32, got {labels.dtype}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must have shape ({hidden.shape[0]},) to match hidden's rows, "
+                         f"got {tuple(labels.shape)}")
+    if bias is not None:
+        _check.tensor("bias", bias)
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        _check.same_dtype("bias", bias, "weight", weight)
+    _check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if num_items_in_batch is not None:
+        if reduction != "mean":
+            raise ValueError("num_items_in_batch replaces the divisor of reduction='mean'; "
+                             f"it cannot be used with reduction={reduction!r}")
+        if isinstance(num_items_in_batch, torch.Tensor):
+            if num_items_in_batch.numel() != 1:
+                raise ValueError("num_items_in_batch must be a scalar, got shape "
+                                 f"{tuple(num_items_in_batch.shape)}")
+        elif not isinstance(num_items_in_batch, int | float) or isinstance(num_items_in_batch, bool):
+            raise TypeError("num_items_in_batch must be a number or a tensor, got "
+                            f"{type(num_items_in_batch).__name__}")
+        elif num_items_in_batch < 0:  # 0 is allowed: HF then gets sum / 0 (NaN), so do we
+            raise ValueError(f"num_items_in_batch must be non-negative, got {num_items_in_batch!r}")
+    if softcap is not None and not (isinstance(softcap, int | float) and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
+    if not (isinstance(label_smoothing, int | float) and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if not (isinstance(z_loss, int | float) and z_loss >= 0.0):
+        raise ValueError(f"z_loss must be a non-negative number, got {z_loss!r}")
+
+
+def divisor(labels, ignore_index, reduction, num_items_in_batch, dtype, device):
+    """The loss's divisor as a 0-dim tensor on ``device``: no host sync (a tensor count stays on
+    the device; a 0-dim CPU tensor is used as a scalar by torch's arithmetic)."""
+    if reduction == "sum":
+        return torch.ones((), dtype=dtype, device=device)
+    if num_items_in_batch is None:
+        return (labels != ignore_index).sum().to(dtype)
+    one = torch.ones((), dtype=dtype, device=device)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        # a 0-dim CPU tensor multiplies a device tensor as a host scalar: no copy, no sync
+        return one * num_items_in_batch.reshape(()).to(dtype)
+    return one * float(num_items_in_batch)
+
+
+def reference(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
+              num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0):
+    check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
+          num_items_in_batch=num_items_in_batch, softcap=softcap,
+          label_smoothing=label_smoothing, z_loss=z_loss)
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    z = F.linear(hidden.to(acc), weight.to(acc), None if bias is None else bias.to(acc))  # (N, V)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    labels = labels.long()
+    valid = labels != ignore_index
+    bad = valid & ((labels < 0) | (labels >= weight.shape[0]))
+    if labels.device.type == "cpu" and bool(bad.any()):
+        raise ValueError(f"labels must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
+    ce = F.cross_entropy(z, labels, ignore_index=ignore_index, reduction="none",
+                         label_smoothing=float(label_smoothing))  # (N,), 0 on ignored rows
+    if z_loss:
+        ce = ce + z_loss * torch.logsumexp(z, -1).square() * valid
+    div = divisor(labels, ignore_index, reduction, num_items_in_batch, acc, z.device)
+    # torch's nll_loss backward weights row i by valid_i / divisor: ignored rows get exactly zero
+    # gradient even when the divisor is 0 (all labels ignored), where ce.sum() / div would give NaN
+    w = torch.where(valid, 1.0 / div, torch.zeros((), dtype=acc, device=z.device))  # (N,)
+    loss = (ce * w).sum()
+    # ...while the value over zero rows is torch's 0 / 0 = NaN (the gradient stays zero)
+    return torch.where(div == 0, ce.detach().sum() / div, loss)
+
+
+def elements(hidden, *_a, **_k) -> int:
+    return hidden.numel()
+
+
+def reductions(hidden, weight, *_a, **_k) -> dict:
+    """Reduction length behind each output (scales the tolerance): logits are dots of length H,
+    the log-sum-exp sums V terms, the loss sums N rows; grad_h sums over V, grad_W over N."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    return {"loss": n + h + v, "hidden": h + v, "weight": n + h + v, "bias": n + v}

@@ -1,0 +1,317 @@
+"""Fused linear cross-entropy in Triton + cuBLAS (spec: forge/spec/fused_linear_ce.py).
+
+The full (N, V) logits never exist. The vocabulary is walked in tiles of Vc columns, all rows
+at once, so every matmul is large (Liger chunks rows instead and its chunks shrink to ~32 rows
+at hidden 896):
+
+  pass 1, per tile: z = h @ W[tile]^T in fp32 (cuBLAS); ``_flce_stats_kernel`` folds the tile
+          into each row's running max / sum-exp, target logit and logit sum (smoothing); the
+          last tile turns them into lse and the row's loss.
+  pass 2, only when a gradient is wanted, per tile (the last first: its z is kept from
+          pass 1): recompute z; ``_flce_grad_kernel`` turns it into dL/dz in the input dtype;
+          then grad_W[tile] = dz^T @ h (one exact write per tile) and grad_h += dz @ W[tile]
+          (fp32 accumulator).
+
+Four matmuls (less one tile's) instead of eager's three, and an (N, Vc) fp32 tile plus its
+bf16 dL/dz instead of the logits. The loss is a scalar, so the gradients are computed in the
+forward and the backward only scales them by grad_output (in place: see
+``_FusedLinearCE.backward``). Nothing reads a value back to the host: the mean's divisor is a
+device tensor the kernels load.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from forge.spec import fused_linear_ce as spec
+
+from . import _common
+
+# Tile width: the (N, Vc) fp32 logits tile within the budget (dL/dz adds half of it), but at
+# least TILE_MIN_COLS columns: narrower, the per-tile passes over the (N, H) fp32 grad_h dominate.
+TILE_BUDGET_BYTES = 128 * 2**20
+TILE_MIN_COLS = 4096
+_TILE_ALIGN = 256  # tile widths stay multiples of this (matmul-friendly)
+_BLOCK = 2048  # columns per kernel step
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp: libdevice.tanh is not available in Triton's interpreter
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _flce_stats_kernel(
+    z_ptr, bias_ptr, labels_ptr,  # (N, Vc) raw logits of this tile, (V,), (N,)
+    m_ptr, s_ptr, t_ptr, sz_ptr, loss_ptr,  # (N,) each: running max, sum-exp, target, logit sum
+    stride_z, v0, vc, V, softcap, ignore_index, one_minus_eps, eps_over_v, z_loss,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    y = tl.load(labels_ptr + row).to(tl.int64)
+    m = tl.full((), float("-inf"), ACC)
+    s = tl.zeros((), ACC)
+    t = tl.zeros((), ACC)
+    sz = tl.zeros((), ACC)
+    for start in range(0, vc, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < vc
+        z = tl.load(z_row + cols, mask=mask, other=0.0).to(ACC)
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + v0 + cols, mask=mask, other=0.0).to(ACC)
+        if SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        zm = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(zm, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(zm - m_new), axis=0)
+        m = m_new
+        t += tl.sum(tl.where(cols == y - v0, z, 0.0), axis=0)
+        if SMOOTH:
+            sz += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    if not FIRST:  # merge with the tiles before this one
+        m_old = tl.load(m_ptr + row)
+        m_new = tl.maximum(m, m_old)
+        s = tl.load(s_ptr + row) * tl.exp(m_old - m_new) + s * tl.exp(m - m_new)
+        m = m_new
+        t += tl.load(t_ptr + row)
+        if SMOOTH:
+            sz += tl.load(sz_ptr + row)
+    if LAST:
+        # loss_i = (1-eps)(lse - z_y) + eps(lse - mean_j z_j) + z_loss lse^2; m_ptr keeps lse
+        lse = m + tl.log(s)
+        loss = lse - one_minus_eps * t + z_loss * lse * lse
+        if SMOOTH:
+            loss -= eps_over_v * sz
+        tl.store(loss_ptr + row, tl.where(y != ignore_index, loss, 0.0))
+        tl.store(m_ptr + row, lse)
+    else:
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, s)
+        tl.store(t_ptr + row, t)
+        if SMOOTH:
+            tl.store(sz_ptr + row, sz)
+
+
+# Backward of the row loss above with p = softmax(z) = exp(z - lse), y the label, w_i = valid_i /
+# divisor:  dL/dz_j = w_i (p_j (1 + 2 z_loss lse) - (1-eps)[j == y] - eps/V);
+# softcap z = c tanh(r / c):  dL/dr = dL/dz (1 - tanh^2).
+# ``g_ptr`` may be ``z_ptr`` itself when both are fp32 (same element, same thread).
+@triton.jit
+def _flce_grad_kernel(
+    z_ptr, g_ptr, bias_ptr, labels_ptr, lse_ptr, scale_ptr,  # (N, Vc) (N, Vc) (V,) (N,) (N,) ()
+    stride_z, stride_g, v0, vc, softcap, ignore_index, one_minus_eps, eps_over_v, two_z_loss,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    y = tl.load(labels_ptr + row).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    w = tl.where(y != ignore_index, tl.load(scale_ptr).to(ACC), 0.0)
+    p_coef = w * (1.0 + two_z_loss * lse)
+    for start in range(0, vc, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < vc
+        z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(ACC)
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + v0 + cols, mask=mask, other=0.0).to(ACC)
+        if SOFTCAP:
+            th = _tanh(z / softcap)
+            z = softcap * th
+        g = p_coef * tl.exp(z - lse) - w * (eps_over_v + tl.where(cols == y - v0, one_minus_eps, 0.0))
+        if SOFTCAP:
+            g = g * (1.0 - th * th)
+        tl.store(g_ptr + row * stride_g + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _flce_scale_kernel(g_ptr, c_ptr, numel, BLOCK: tl.constexpr):
+    # g *= c in fp32 with one rounding (a bf16 tensor times a 0-dim fp32 tensor in torch rounds
+    # c to bf16 first)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    c = tl.load(c_ptr)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    tl.store(g_ptr + offs, (g.to(c.dtype) * c).to(g_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_(g, c):
+    if _common.INTERPRET:  # see the fp32 -> bf16 note in flce_forward
+        return g.copy_(g.to(c.dtype) * c)
+    if g.numel():
+        block = 4096
+        _flce_scale_kernel[(triton.cdiv(g.numel(), block),)](g, c.contiguous(), g.numel(), BLOCK=block)
+    return g
+
+
+# ------------------------------------------------------------------------------- matmuls
+_ADDMM_F32 = None  # whether torch.addmm(out_dtype=fp32) accumulates in place here
+
+
+_MM_F32 = None  # whether torch.mm(out_dtype=fp32) exists here (torch >= 2.8 on CUDA)
+
+
+def _mm_f32(a, b):
+    """a @ b with an fp32 (fp64) result from low-precision operands: cuBLAS accumulates in fp32
+    and writes fp32, so the logits carry no bf16 rounding (the spec's logits are fp32)."""
+    global _MM_F32
+    if a.dtype in (torch.float32, torch.float64):
+        return torch.mm(a, b)
+    if a.is_cuda and _MM_F32 is not False:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _MM_F32 = True
+            return out
+        except (RuntimeError, TypeError):
+            _MM_F32 = False
+    return torch.mm(a.float(), b.float())  # the interpreter path (CPU tests), or an old torch
+
+
+def _addmm_f32_(acc, a, b):
+    """acc += a @ b, acc fp32, a and b in the input dtype."""
+    global _ADDMM_F32
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda and _ADDMM_F32 is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _ADDMM_F32 = True
+            return
+        except (RuntimeError, TypeError):  # older torch: no in-place fp32-out addmm
+            _ADDMM_F32 = False
+    acc.add_(_mm_f32(a, b))
+
+
+def _tiles(n, v, tile_vocab):
+    """Tile boundaries over the vocabulary: ``tile_vocab`` columns, or as wide as the memory
+    budget allows, balanced so the last tile is not a sliver."""
+    if tile_vocab is None:
+        cap = max(TILE_MIN_COLS, TILE_BUDGET_BYTES // (4 * max(n, 1)) // _TILE_ALIGN * _TILE_ALIGN)
+        count = triton.cdiv(v, cap)
+        tile_vocab = triton.cdiv(triton.cdiv(v, count), _TILE_ALIGN) * _TILE_ALIGN
+    return [(v0, min(v0 + tile_vocab, v)) for v0 in range(0, v, tile_vocab)]
+
+
+def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, label_smoothing,
+                 z_loss, need_h, need_w, need_b, tile_vocab=None):
+    """Loss and (unscaled) gradients. Returns (loss, grad_h fp32 | None, grad_W | None, grad_b | None)."""
+    n, _ = hidden.shape
+    v = weight.shape[0]
+    dev, dt = hidden.device, hidden.dtype
+    acc_t = _common.acc_torch(dt)
+    labels = labels.contiguous()
+    m_buf, s_buf, t_buf, sz_buf, rows = (torch.empty(n, dtype=acc_t, device=dev) for _ in range(5))
+    eps = float(label_smoothing)
+    common = dict(softcap=float(softcap or 1.0), ignore_index=ignore_index, one_minus_eps=1.0 - eps,
+                  eps_over_v=eps / v)
+    block = min(_BLOCK, triton.next_power_of_2(max(min(tile_vocab or v, v), 16)))
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, ACC=_common.acc(dt), BLOCK=block)
+    bias_arg = bias if bias is not None else m_buf  # never read without HAS_BIAS
+    tiles = _tiles(n, v, tile_vocab)
+    grid = (n,)
+    need_grad = need_h or need_w or need_b
+    for i, (v0, v1) in enumerate(tiles):
+        z = _mm_f32(hidden, weight[v0:v1].t())  # (N, Vc)
+        if n:
+            _flce_stats_kernel[grid](
+                z, bias_arg, labels, m_buf, s_buf, t_buf, sz_buf, rows, z.stride(0), v0, v1 - v0, v,
+                **common, z_loss=float(z_loss), SMOOTH=eps > 0, FIRST=i == 0, LAST=i == len(tiles) - 1,
+                **flags, num_warps=8,
+            )
+        if not (need_grad and i == len(tiles) - 1):
+            del z  # the last tile's logits are kept: pass 2 starts with them (one matmul fewer)
+    loss = rows.sum() / div
+    gh = gw = gb = None
+    if not need_grad:
+        return loss, gh, gw, gb
+    scale = torch.where(div == 0, torch.zeros_like(div), 1.0 / div).to(acc_t)  # () on the device
+    if need_h:
+        gh = torch.zeros((n, hidden.shape[1]), dtype=acc_t, device=dev)  # (N, H) accumulator
+    if need_w:
+        gw = _common.empty(weight.shape, weight.dtype, dev)  # (V, H), every row written once
+    if need_b:
+        gb = _common.empty((v,), bias.dtype, dev)
+    for v0, v1 in reversed(tiles):
+        if v1 != v:
+            z = _mm_f32(hidden, weight[v0:v1].t())  # (N, Vc) acc dtype
+        if z.dtype == dt or _common.INTERPRET:
+            # in place (each element is read and written by the same thread); the interpreter
+            # truncates fp32 -> bf16 stores (GPUs round to nearest), so there it writes fp32
+            # and torch rounds
+            g = z
+        else:
+            # not over z's own bytes: without a barrier, one warp's bf16 store could land on fp32
+            # columns another warp has not loaded yet
+            g = torch.empty((n, v1 - v0), dtype=dt, device=dev)  # (N, Vc)
+        if n:
+            _flce_grad_kernel[grid](
+                z, g, bias_arg, labels, m_buf, scale, z.stride(0), g.stride(0), v0, v1 - v0,
+                **common, two_z_loss=2.0 * float(z_loss), **flags, num_warps=8,
+            )
+        else:
+            g.zero_()
+        if g.dtype != dt:
+            g = g.to(dt)
+        if need_w:
+            if g.dtype == gw.dtype == acc_t:
+                torch.mm(g.t(), hidden, out=gw[v0:v1])  # (Vc, H)
+            else:  # fp32 out, then one rounding: no reduced-precision split-K reductions
+                gw[v0:v1].copy_(_mm_f32(g.t(), hidden))
+        if need_h:
+            _addmm_f32_(gh, g, weight[v0:v1])  # (N, H) += (N, Vc) @ (Vc, H)
+        if need_b:
+            gb[v0:v1] = g.sum(0, dtype=acc_t)
+        del z, g
+    return loss, gh, gw, gb
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, div, opts):
+        # needs_input_grad ignores no_grad mode: the caller's grad mode is in opts
+        need = [n and opts["grad_enabled"] for n in ctx.needs_input_grad]
+        kw = {k: v for k, v in opts.items() if k != "grad_enabled"}
+        loss, gh, gw, gb = flce_forward(hidden, weight, labels, bias, div, **kw, need_h=need[0],
+                                        need_w=need[1], need_b=bias is not None and need[3])
+        ctx.grads = (gh, gw, gb)
+        ctx.h_dtype = hidden.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_ce precomputes its gradients in the forward and scales "
+                               "them in place: its backward can run only once per forward")
+        gh, gw, gb = ctx.grads
+        ctx.grads = None
+        # In place: a second (grad_W-sized) buffer here would double the op's peak memory.
+        if gh is not None:
+            gh = gh.mul_(grad_out).to(ctx.h_dtype)
+        for g in (gw, gb):
+            if g is not None:
+                _scale_(g, grad_out)
+        return gh, gw, None, gb, None, None
+
+
+def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
+                    num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0,
+                    tile_vocab=None):
+    """Triton fused linear cross-entropy with the signature of
+    ``forge.spec.fused_linear_ce.reference``; ``tile_vocab`` (extra, optional) fixes the width of
+    the vocabulary tiles, else they are sized from ``TILE_BUDGET_BYTES``."""
+    spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
+               num_items_in_batch=num_items_in_batch, softcap=softcap,
+               label_smoothing=label_smoothing, z_loss=z_loss)
+    _common.check_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    if tile_vocab is not None and (not isinstance(tile_vocab, int) or tile_vocab < 1):
+        raise ValueError(f"tile_vocab must be a positive int, got {tile_vocab!r}")
+    acc_t = _common.acc_torch(hidden.dtype)
+    div = spec.divisor(labels, ignore_index, reduction, num_items_in_batch, acc_t, hidden.device)
+    opts = dict(ignore_index=ignore_index, softcap=softcap, label_smoothing=float(label_smoothing),
+                z_loss=float(z_loss), tile_vocab=tile_vocab, grad_enabled=torch.is_grad_enabled())
+    return _FusedLinearCE.apply(hidden, weight, labels, bias, div, opts)

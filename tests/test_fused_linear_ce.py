@@ -1,0 +1,307 @@
+"""Fused linear cross-entropy: both backends against the float64 reference (tests/oracle.py) and
+against each other, plus the contract points the oracle cannot see: all-ignored batches, tied
+and frozen weights, a finite-difference derivative check, argument errors, no host sync.
+
+On CPU: 13 tokens x 32 hidden x vocab 1000 with 256-column tiles, so there are several tiles and
+a ragged last one (1000 = 3 x 256 + 232). Under ``-m gpu``: the real vocabularies with the
+default (memory-budget) tile width.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from forge import ops
+from forge.spec import fused_linear_ce as spec
+from forge.spec import tolerance
+from oracle import check_op
+
+BACKENDS = ["triton", "pallas"]
+DTYPES = [torch.float32, torch.bfloat16]
+TILE = 256  # CPU tile width: 1000 columns -> 4 tiles, the last ragged
+CPU_SHAPE = (13, 32, 1000)
+GPU_SHAPES = {"qwen05b_vocab": (512, 896, 151936), "llama3_vocab": (67, 4096, 128256)}
+
+# name -> (kernel/reference kwargs, bias?, fraction of labels ignored)
+CASES = {
+    "plain": ({}, False, 0.25),
+    "softcap_bias": ({"softcap": 2.0}, True, 0.25),
+    "smooth_zloss_sum": ({"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"}, False, 0.1),
+    "num_items": ({"num_items_in_batch": torch.tensor(40)}, False, 0.25),
+}
+
+
+def _kernel(backend, tile=TILE):
+    fn = ops.get("fused_linear_ce", backend)
+    return functools.partial(fn, tile_vocab=tile) if tile else fn
+
+
+def _inputs(n, h, v, dtype, device, bias=False, ignored=0.25):
+    hidden = torch.randn(n, h, device=device).to(dtype)
+    weight = (torch.randn(v, h, device=device) * h**-0.5 * 2).to(dtype)  # logits ~ N(0, 4)
+    labels = torch.randint(0, v, (n,), device=device)
+    labels[torch.rand(n, device=device) < ignored] = -100
+    labels[:1] = v - 1  # the last (ragged) tile holds a target
+    t = {"hidden": hidden, "weight": weight}
+    if bias:
+        t["bias"] = (torch.randn(v, device=device) * 0.5).to(dtype)
+    return t, labels
+
+
+def _with_labels(fn, labels):
+    """check_op casts tensor inputs to float64: labels travel in the closure instead."""
+    def call(hidden, weight, bias=None, **kw):
+        return fn(hidden, weight, labels.to(hidden.device), bias, **kw)
+    return call
+
+
+def _shapes():
+    return [pytest.param(CPU_SHAPE, TILE, id="cpu")] + [
+        pytest.param(s, None, id=k, marks=pytest.mark.gpu) for k, s in GPU_SHAPES.items()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("shape,tile", _shapes())
+def test_against_reference(backend, dtype, case, shape, tile, device):
+    kwargs, bias, ignored = CASES[case]
+    tensors, labels = _inputs(*shape, dtype, device, bias, ignored)
+    check_op(_with_labels(_kernel(backend, tile), labels), _with_labels(spec.reference, labels), tensors,
+             diff=tuple(tensors), kwargs=kwargs, out_names=["loss"],
+             reductions=spec.reductions(tensors["hidden"], tensors["weight"]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["plain", "softcap_bias"])
+@pytest.mark.parametrize("shape,tile", _shapes())
+def test_backends_agree(dtype, case, shape, tile, device):
+    # both compute fp32 logits and round each gradient once: they may differ by about one
+    # rounding plus fp32 accumulation noise (the bound of tests/test_parity.py)
+    kwargs, bias, ignored = CASES[case]
+    tensors, labels = _inputs(*shape, dtype, device, bias, ignored)
+    red = spec.reductions(tensors["hidden"], tensors["weight"])
+    res = {}
+    for backend in BACKENDS:
+        leaves = {k: t.clone().requires_grad_() for k, t in tensors.items()}
+        fn = _kernel(backend, tile)
+        loss = fn(leaves["hidden"], leaves["weight"], labels, leaves.get("bias"), **kwargs)
+        (loss * 0.7).backward()
+        res[backend] = {"loss": loss.detach(), **{k: t.grad for k, t in leaves.items()}}
+    for name, t in res["triton"].items():
+        p = res["pallas"][name]
+        assert t.dtype == p.dtype and t.shape == p.shape, name
+        err, bound = tolerance.rel_err(p, t), 2 * tolerance.atol(t.dtype, red[name])
+        assert err <= bound, f"{name}: triton vs pallas rel err {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction,expect", [("mean", "nan"), ("sum", 0.0)])
+def test_all_ignored(backend, reduction, expect, device):
+    # torch: mean over zero rows is 0/0 = NaN, sum is 0; gradients are exactly zero either way
+    tensors, _ = _inputs(*CPU_SHAPE, torch.float32, device)
+    labels = torch.full((CPU_SHAPE[0],), -100, device=device)
+    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
+    loss = _kernel(backend)(h, w, labels, reduction=reduction)
+    want = F.cross_entropy(F.linear(h.detach(), w.detach()), labels, reduction=reduction)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    if expect == "nan":
+        assert torch.isnan(loss) and torch.isnan(want)
+    else:
+        assert loss.item() == 0.0 == want.item()
+    loss.backward()
+    assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_grad_and_zero_items(backend, device):
+    # under no_grad only the loss pass runs: the same loss; num_items_in_batch=0 gives HF's
+    # sum / 0 (inf here, some labels are valid)
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
+    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
+    fn = _kernel(backend)
+    with_grad = fn(h, w, labels)
+    with torch.no_grad():
+        without = fn(h, w, labels)
+        zero = fn(h, w, labels, num_items_in_batch=0)
+    # same pass-1 work (XLA may fuse the two programs differently: fp32 summation-order noise)
+    assert not without.requires_grad and tolerance.rel_err(without, with_grad) <= 1e-6
+    ref = spec.reference(h.detach(), w.detach(), labels, num_items_in_batch=0)
+    assert torch.isinf(zero) and torch.isinf(ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_rows(backend, device):
+    # an empty batch behaves like torch's cross_entropy on (0, V) logits: NaN mean, zero grads
+    tensors, _ = _inputs(0, 32, 1000, torch.float32, device)
+    labels = torch.zeros(0, dtype=torch.long, device=device)
+    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
+    loss = _kernel(backend)(h, w, labels)
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(F.linear(h, w), labels))
+    loss.backward()
+    assert h.grad.shape == (0, 32) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tied_embedding(backend, dtype, device):
+    # lm_head weight is also the input embedding: its gradient sums both uses
+    n, h, v = CPU_SHAPE
+    tensors, labels = _inputs(n, h, v, dtype, device)
+    ids = torch.randint(0, v, (n,), device=device)
+
+    def model(fn):
+        def call(weight, noise):
+            hidden = F.embedding(ids.to(weight.device), weight) * 3.0 + noise
+            return fn(hidden, weight, labels.to(weight.device))
+        return call
+
+    noise = torch.randn(n, h, device=device).to(dtype)
+    check_op(model(_kernel(backend)), model(spec.reference), {"weight": tensors["weight"], "noise": noise},
+             diff=("weight", "noise"), out_names=["loss"],
+             reductions={"loss": n + h + v, "weight": n + h + v, "noise": h + v})
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_weight(backend, device):
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
+    h = tensors["hidden"].clone().requires_grad_()
+    w = tensors["weight"]  # frozen lm_head
+    counter = _CountMatmuls()
+    with counter:
+        _kernel(backend)(h, w, labels).backward()
+    assert w.grad is None and h.grad is not None
+    if backend == "triton":  # 4 tiles x (logits, logits again, grad_h), the last tile's logits
+        assert counter.count == 3 * 4 - 1  # kept from pass 1; no grad_W
+    check_op(_with_labels(_kernel(backend), labels), _with_labels(spec.reference, labels), tensors,
+             diff=("hidden",), out_names=["loss"], reductions=spec.reductions(h, w))
+
+
+def test_triton_matmul_count(device):
+    # trainable weight: one more matmul per tile (grad_W); no gradient wanted: logits once
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
+    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
+    counter = _CountMatmuls()
+    with counter:
+        _kernel("triton")(h, w, labels).backward()
+    assert counter.count == 4 * 4 - 1
+    counter = _CountMatmuls()
+    with counter, torch.no_grad():
+        _kernel("triton")(h, w, labels)
+    assert counter.count == 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_directional_derivative(backend, device):
+    # gradcheck's numerical Jacobian is far too slow in the interpreters; one central difference
+    # along a random direction in float64 checks the same thing: <grad, d> = dL(x + t d)/dt
+    if backend == "pallas":
+        pytest.importorskip("jax").config.update("jax_enable_x64", True)
+    try:
+        n, h, v = 5, 8, 37
+        tensors, labels = _inputs(n, h, v, torch.float64, device, bias=True, ignored=0.3)
+        kw = dict(softcap=3.0, label_smoothing=0.05, z_loss=1e-2)
+        fn = _kernel(backend, tile=16)
+        x = {k: t.clone().requires_grad_() for k, t in tensors.items()}
+        fn(x["hidden"], x["weight"], labels, x["bias"], **kw).backward()
+        d = {k: torch.randn_like(t) for k, t in tensors.items()}
+        eps = 1e-6
+        def at(sign):
+            p = {k: tensors[k] + sign * eps * d[k] for k in tensors}
+            return fn(p["hidden"], p["weight"], labels, p["bias"], **kw)
+
+        plus, minus = at(1.0), at(-1.0)
+        numeric = ((plus - minus) / (2 * eps)).item()
+        analytic = sum((x[k].grad * d[k]).sum() for k in x).item()
+        assert abs(numeric - analytic) <= 1e-6 * (1 + abs(analytic)), (numeric, analytic)
+    finally:
+        if backend == "pallas":
+            pytest.importorskip("jax").config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+@pytest.mark.parametrize("bad,exc,match", [
+    ({"hidden": torch.zeros(3, 4, 5)}, ValueError, "hidden must be 2-D"),
+    ({"weight": torch.zeros(10, 5)}, ValueError, "weight has width"),
+    ({"labels": torch.zeros(4, dtype=torch.long)}, ValueError, "labels must have shape"),
+    ({"labels": torch.zeros(3)}, TypeError, "labels must be int64"),
+    ({"weight": torch.zeros(10, 4, dtype=torch.float64)}, TypeError, "hidden is torch.float32"),
+    ({"bias": torch.zeros(9)}, ValueError, "bias must have shape"),
+    ({"reduction": "none"}, ValueError, "reduction must be one of"),
+    ({"reduction": "sum", "num_items_in_batch": 3}, ValueError, "num_items_in_batch replaces"),
+    ({"num_items_in_batch": -1}, ValueError, "num_items_in_batch must be non-negative"),
+    ({"softcap": -1.0}, ValueError, "softcap must be"),
+    ({"label_smoothing": 1.5}, ValueError, "label_smoothing must be"),
+    ({"z_loss": -1.0}, ValueError, "z_loss must be"),
+])
+def test_argument_errors(backend, bad, exc, match, device):
+    args = {"hidden": torch.zeros(3, 4), "weight": torch.zeros(10, 4),
+            "labels": torch.zeros(3, dtype=torch.long), "bias": None}
+    args.update(bad)
+    fn = spec.reference if backend == "reference" else ops.get("fused_linear_ce", backend)
+    pos = [args.pop(k).to(device) if isinstance(args.get(k), torch.Tensor) else args.pop(k)
+           for k in ("hidden", "weight", "labels", "bias")]
+    with pytest.raises(exc, match=match):
+        fn(*pos, **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_host_sync(backend, device):
+    # forward and backward queue work without reading anything back (torch raises on a sync)
+    tensors, labels = _inputs(4096, 896, 151936, torch.bfloat16, device)
+    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
+    nib = torch.tensor(3000, device=device)
+    _kernel(backend, None)(h, w, labels, num_items_in_batch=nib).backward()  # compile, warm up
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _kernel(backend, None)(h, w, labels, num_items_in_batch=nib).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.gpu
+def test_triton_cuda_graph(device):
+    # the Triton path is graph-capturable: no sync, no host-dependent shapes
+    tensors, labels = _inputs(1024, 896, 151936, torch.bfloat16, device)
+    h = tensors["hidden"].clone().requires_grad_()
+    w = tensors["weight"].clone().requires_grad_()
+    fn = _kernel("triton", None)
+    want = fn(h, w, labels)
+    want.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on the capture stream
+        fn(h, w, labels).backward()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    h.grad = w.grad = None
+    with torch.cuda.graph(graph):
+        loss = fn(h, w, labels)
+        loss.backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    # the same kernels replayed; cuBLAS may pick another algorithm under capture, so allow
+    # accumulation-order noise (fp32 loss) and a rounding flip here and there (bf16 grads)
+    assert tolerance.rel_err(loss, want) <= 1e-6
+    assert tolerance.rel_err(h.grad, gh) <= 2**-8 and tolerance.rel_err(w.grad, gw) <= 2**-8
