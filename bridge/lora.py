@@ -1,0 +1,79 @@
+"""LoRA kernels through the bridge: ``forge_pallas.lora`` on torch tensors, in the signatures of
+forge/spec/lora_qkv.py and forge/spec/lora_mlp.py.
+
+Base weights and biases are frozen (no gradient, ValueError if one requires grad while grad is
+enabled); their JAX views are cached (``cache_inputs``). Biases: all three None uses the no-bias
+kernel; some None are replaced by zeros. Zero rows return the spec's torch reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from forge.spec import lora_mlp as mlp_spec
+from forge.spec import lora_qkv as qkv_spec
+from forge_pallas import lora as _k
+
+from . import core
+from .kernels import _check_devices
+
+# inputs: x, then per projection w, bias, a, b (or w, a, b without biases)
+LORA_QKV = core.KernelDef("lora_qkv", _k.lora_qkv_fwd, _k.lora_qkv_bwd, diff=(0, 3, 4, 7, 8, 11, 12),
+                          cache_inputs=(1, 2, 5, 6, 9, 10), save=(0, 1, 3, 4, 5, 7, 8, 9, 11, 12),
+                          needs_mask=True)
+LORA_QKV_NOBIAS = core.KernelDef("lora_qkv_nobias", _k.lora_qkv_fwd, _k.lora_qkv_bwd,
+                                 diff=(0, 2, 3, 5, 6, 8, 9), cache_inputs=(1, 4, 7), needs_mask=True)
+LORA_MLP = core.KernelDef("lora_mlp", _k.lora_mlp_fwd, _k.lora_mlp_bwd, diff=(0, 2, 3, 5, 6, 8, 9),
+                          cache_inputs=(1, 4, 7), needs_mask=True)
+
+_SEEN: set = set()  # call signatures already validated
+
+
+def _sig(name, tensors, static):
+    return (name, static, *((None,) if t is None else (t.shape, t.dtype, t.device) for t in tensors))
+
+
+def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+             *, scale_q, scale_k, scale_v):
+    """Pallas LoRA q, k, v projections (forge.spec.lora_qkv) -> (q, k, v)."""
+    ts = (x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v)
+    scales = (scale_q, scale_k, scale_v)
+    sig = _sig("lora_qkv", ts, scales)
+    if sig not in _SEEN:
+        qkv_spec.check(*ts, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v)
+        _check_devices(**{n: t for n, t in zip(("x", "w_q", "bias_q", "a_q", "b_q", "w_k", "bias_k", "a_k", "b_k",
+                                                 "w_v", "bias_v", "a_v", "b_v"), ts) if t is not None})
+        _SEEN.add(sig)
+    qkv_spec.frozen(torch.is_grad_enabled(), w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
+    if x.numel() == 0:
+        return qkv_spec.reference(*ts, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v)
+    x2 = x.reshape(-1, x.shape[-1])  # (M, H)
+    scales = tuple(float(s) for s in scales)
+    projs = ((w_q, bias_q, a_q, b_q), (w_k, bias_k, a_k, b_k), (w_v, bias_v, a_v, b_v))
+    if all(p[1] is None for p in projs):
+        flat = [t for w, _, a, b in projs for t in (w, a, b)]
+        outs = core.apply(LORA_QKV_NOBIAS, x2, *flat, scales=scales, has_bias=False)
+    else:
+        flat = [t for w, bias, a, b in projs
+                for t in (w, bias if bias is not None else w.new_zeros(w.shape[0]), a, b)]
+        outs = core.apply(LORA_QKV, x2, *flat, scales=scales, has_bias=True)
+    lead = x.shape[:-1]
+    return tuple(o.view(*lead, o.shape[-1]) for o in outs)
+
+
+def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+             *, scale_gate, scale_up, scale_down, act="silu"):
+    """Pallas gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y."""
+    ts = (x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down)
+    scales = (scale_gate, scale_up, scale_down)
+    sig = _sig("lora_mlp", ts, (scales, act))
+    if sig not in _SEEN:
+        mlp_spec.check(*ts, scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act)
+        _check_devices(**dict(zip(("x", "w_gate", "a_gate", "b_gate", "w_up", "a_up", "b_up", "w_down",
+                                   "a_down", "b_down"), ts)))
+        _SEEN.add(sig)
+    mlp_spec.frozen(torch.is_grad_enabled(), w_gate=w_gate, w_up=w_up, w_down=w_down)
+    if x.numel() == 0:
+        return mlp_spec.reference(*ts, scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act)
+    y = core.apply(LORA_MLP, x.reshape(-1, x.shape[-1]), *ts[1:], scales=tuple(float(s) for s in scales),
+                   gelu=act == "gelu_tanh")
+    return y.view(*x.shape[:-1], y.shape[-1])

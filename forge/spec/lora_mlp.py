@@ -1,0 +1,89 @@
+"""A gated MLP with peft LoRA on gate_proj, up_proj and down_proj (qwen2, qwen3, llama: silu;
+gemma, gemma2: gelu_tanh), as ``MLP.forward`` computes it: ``down(act(gate(x)) * up(x))``.
+
+Signature (every backend)::
+
+    lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+             *, scale_gate, scale_up, scale_down, act="silu") -> y
+
+    x: (..., H)   w_gate, w_up: (I, H)   w_down: (H, I)   frozen base weights, no bias
+    a_gate, a_up: (r, H)   b_gate, b_up: (I, r)   a_down: (r, I)   b_down: (H, r)
+    scale_*: float (alpha / r)   act: "silu" (swiglu) or "gelu_tanh" (geglu)
+    x and the w's share one dtype, the a's and b's one (possibly another); ranks may differ
+
+Equivalent torch (``project`` is one peft LoRA linear, see ``forge.spec.lora_qkv``)::
+
+    g = project(x, w_gate, None, a_gate, b_gate, scale_gate)           # (..., I)
+    u = project(x, w_up, None, a_up, b_up, scale_up)                   # (..., I)
+    h = act(g) * u                                                     # (..., I), x.dtype
+    y = project(h, w_down, None, a_down, b_down, scale_down)           # (..., H)
+
+Kernels save x, g, u and the rank-r products x a^T and h a_down^T, and recompute act(g) and h
+in backward. Gradients flow to x and to every a and b; base weights are frozen (ValueError if
+one requires grad while grad is enabled). Backward, with dy the output gradient::
+
+    dh_a  = scale_down * dy b_down               (M, r)     d b_down = scale_down * dy^T (h a_down^T)
+    dh    = dy w_down + dh_a a_down              (M, I)     d a_down = dh_a^T h
+    dg    = dh * u * act'(g);   du = dh * act(g)             (act' as in the swiglu / geglu specs)
+    dxa_p = scale_p * dp b_p  (p = gate, up)     d b_p = scale_p * dp^T (x a_p^T);  d a_p = dxa_p^T x
+    dx    = dg w_gate + du w_up + dxa_gate a_gate + dxa_up a_up     accumulated once
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _check
+from .lora_qkv import _proj_args, frozen, project
+
+ACTS = ("silu", "gelu_tanh")
+PROJ = ("gate", "up", "down")
+
+
+def check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+          *, scale_gate, scale_up, scale_down, act="silu") -> None:
+    _check.tensor("x", x)
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {ACTS}, got {act!r}")
+    _proj_args("gate", x, w_gate, None, a_gate, b_gate, scale_gate)
+    _proj_args("up", x, w_up, None, a_up, b_up, scale_up)
+    _check.same_shape("w_gate", w_gate, "w_up", w_up)
+    _check.same_dtype("a_gate", a_gate, "a_up", a_up)
+    inter = w_gate.shape[0]
+    # down takes h = act(g) * u, shaped (..., I), in x's dtype
+    _proj_args("down", x, w_down, None, a_down, b_down, scale_down, width=inter, in_name="h = act(gate) * up")
+    if w_down.shape[0] != x.shape[-1]:
+        raise ValueError(f"w_down has {w_down.shape[0]} output features but x's last dimension is {x.shape[-1]}")
+    _check.same_dtype("a_gate", a_gate, "a_down", a_down)
+
+
+def activation(g, act: str):
+    if act == "silu":
+        return torch.nn.functional.silu(g)
+    return torch.nn.functional.gelu(g, approximate="tanh")
+
+
+def reference(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+              *, scale_gate, scale_up, scale_down, act="silu"):
+    check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+          scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act)
+    g = project(x, w_gate, None, a_gate, b_gate, scale_gate)
+    u = project(x, w_up, None, a_up, b_up, scale_up)
+    return project(activation(g, act) * u, w_down, None, a_down, b_down, scale_down)
+
+
+def elements(x, *_a, **_k) -> int:
+    """Activation elements per call: rows x hidden."""
+    return x.numel()
+
+
+def reductions(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, **_k) -> dict:
+    """Reduction length behind each output and gradient (scales the tolerance): y sums over I
+    after sums over H; d x over I twice after the sum over H in dh; weights over the rows."""
+    h, inter, r = x.shape[-1], w_gate.shape[0], a_gate.shape[0]
+    rows = x.numel() // max(h, 1)
+    out = {"y": h + inter + 2 * r, "x": h + 2 * inter + 3 * r}
+    out.update({f"{m}_{p}": rows for m in "ab" for p in PROJ})
+    return out
+
+
+__all__ = ["ACTS", "activation", "check", "elements", "frozen", "reductions", "reference"]

@@ -1,0 +1,119 @@
+"""LoRA q, k and v projections from one input (peft ``lora.Linear`` on q_proj, k_proj, v_proj).
+
+Signature (every backend)::
+
+    lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+             *, scale_q, scale_k, scale_v) -> (q, k, v)
+
+    x: (..., H)   w_p: (N_p, H) frozen base weight   bias_p: (N_p,) frozen, or None
+    a_p: (r_p, H) lora_A.weight   b_p: (N_p, r_p) lora_B.weight   scale_p: float (alpha / r)
+    x, w_p, bias_p share one dtype; all a_p, b_p share one (possibly another, e.g. fp32); ranks
+    may differ per projection
+
+Equivalent torch, per projection p, as peft computes it (the LoRA path runs in the adapter's
+dtype, which peft keeps in fp32 for a bf16 model by default; the sum is rounded to x's dtype)::
+
+    base = F.linear(x, w_p, bias_p)                                     # (..., N_p), x.dtype
+    lora = F.linear(F.linear(x.to(a_p.dtype), a_p), b_p) * scale_p      # (..., N_p), a_p.dtype
+    p = (base + lora).to(x.dtype)
+
+Gradients flow to x and to every a_p and b_p. The base weights and biases are frozen: kernels
+compute no gradient for them and raise ValueError if one requires grad while grad is enabled
+(peft freezes them; train the base with plain nn.Linear instead). Backward, with xa_p = x a_p^T
+(M, r_p) saved from the forward and g_p the output gradient::
+
+    d b_p  = scale_p * g_p^T xa_p                       (N_p, r_p)
+    d xa_p = scale_p * g_p b_p                          (M, r_p)
+    d a_p  = d xa_p^T x                                 (r_p, H)
+    d x    = sum_p (g_p w_p + d xa_p a_p)               accumulated once, base and LoRA paths
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from . import _check
+
+PROJ = ("q", "k", "v")
+
+
+def _proj_args(name, x, w, bias, a, b, scale, *, width=None, in_name="x"):
+    """Check one projection's weights against its input: x gives dtype and device, ``width``
+    (default x's last dimension) the input features, ``in_name`` the name in messages."""
+    _check.tensor(f"w_{name}", w, min_dim=2)
+    _check.tensor(f"a_{name}", a, min_dim=2)
+    _check.tensor(f"b_{name}", b, min_dim=2)
+    if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"w_{name}, a_{name} and b_{name} must be 2-D, got {tuple(w.shape)}, "
+                         f"{tuple(a.shape)}, {tuple(b.shape)}")
+    h = x.shape[-1] if width is None else width
+    if w.shape[1] != h:
+        raise ValueError(f"w_{name} has {w.shape[1]} input features but {in_name} has {h}")
+    if a.shape[1] != h:
+        raise ValueError(f"a_{name} has {a.shape[1]} input features but {in_name} has {h}")
+    if b.shape[0] != w.shape[0]:
+        raise ValueError(f"b_{name} has {b.shape[0]} output features but w_{name} has {w.shape[0]}")
+    if b.shape[1] != a.shape[0]:
+        raise ValueError(f"b_{name} has rank {b.shape[1]} but a_{name} has rank {a.shape[0]}")
+    _check.same_dtype("x", x, f"w_{name}", w)
+    _check.same_dtype(f"a_{name}", a, f"b_{name}", b)
+    if bias is not None:
+        _check.tensor(f"bias_{name}", bias)
+        if bias.shape != (w.shape[0],):
+            raise ValueError(f"bias_{name} must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
+        _check.same_dtype("x", x, f"bias_{name}", bias)
+    if isinstance(scale, bool) or not isinstance(scale, float | int):
+        raise TypeError(f"scale_{name} must be a number, got {type(scale).__name__}")
+    _check.same_device(x=x, **{f"w_{name}": w, f"bias_{name}": bias, f"a_{name}": a, f"b_{name}": b})
+
+
+def check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+          *, scale_q, scale_k, scale_v) -> None:
+    _check.tensor("x", x)
+    _proj_args("q", x, w_q, bias_q, a_q, b_q, scale_q)
+    _proj_args("k", x, w_k, bias_k, a_k, b_k, scale_k)
+    _proj_args("v", x, w_v, bias_v, a_v, b_v, scale_v)
+    # one adapter dtype: kernels run the three down-projections as one GEMM
+    _check.same_dtype("a_q", a_q, "a_k", a_k)
+    _check.same_dtype("a_q", a_q, "a_v", a_v)
+
+
+def frozen(grad_enabled: bool, **named) -> None:
+    """Raise if a base weight or bias would need a gradient (kernels compute none for them)."""
+    if not grad_enabled:
+        return
+    for name, t in named.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name} requires grad, but the LoRA kernels keep base weights and biases "
+                             "frozen (no gradient); freeze it or use the unfused layer")
+
+
+def project(x, w, bias, a, b, scale):
+    """One peft LoRA linear: the reference for a single projection (also used by lora_mlp)."""
+    base = F.linear(x, w, bias)
+    lora = F.linear(F.linear(x.to(a.dtype), a), b) * scale
+    return (base + lora).to(x.dtype)
+
+
+def reference(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+              *, scale_q, scale_k, scale_v):
+    check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+          scale_q=scale_q, scale_k=scale_k, scale_v=scale_v)
+    return (project(x, w_q, bias_q, a_q, b_q, scale_q),
+            project(x, w_k, bias_k, a_k, b_k, scale_k),
+            project(x, w_v, bias_v, a_v, b_v, scale_v))
+
+
+def elements(x, *_a, **_k) -> int:
+    """Activation elements per call: rows x hidden."""
+    return x.numel()
+
+
+def reductions(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, **_k) -> dict:
+    """Reduction length behind each output and gradient (scales the tolerance): an output sums
+    over H (base) and r (LoRA); d x over every N_p and r_p; d a_p and d b_p over the rows."""
+    h = x.shape[-1]
+    rows = x.numel() // max(h, 1)
+    out = {p: h + a.shape[0] for p, a in zip(PROJ, (a_q, a_k, a_v))}
+    out["x"] = sum(w.shape[0] + a.shape[0] for w, a in ((w_q, a_q), (w_k, a_k), (w_v, a_v)))
+    out.update({f"{m}_{p}": rows for m in "ab" for p in PROJ})
+    return out

@@ -1,0 +1,322 @@
+"""Fused LoRA projections in Triton: ``lora_qkv`` (q, k, v from one input) and ``lora_mlp``
+(gated MLP with LoRA on gate, up and down). Specs, signatures and the backward derivations:
+forge/spec/lora_qkv.py and forge/spec/lora_mlp.py.
+
+The large matrix products (x W^T, x A^T, dy W, ...) stay with cuBLAS through torch. Triton
+fuses what sits around them: the rank-r up-projection ``scale * (x A^T) B^T`` is computed tile
+by tile and added onto the base GEMM's output in place (never materialising the (M, N) LoRA
+term), and in the MLP the gate/up LoRA terms, the activation and the product are one kernel
+forward, and the down LoRA term, the activation's recompute and its derivative one kernel
+backward. grad_x is accumulated once by chained ``addmm_`` (cuBLAS beta = 1).
+
+Adapter weights may have another dtype than x (peft keeps them in fp32 for bf16 models): the
+LoRA path runs in the adapter dtype, as peft's does. Base weights and biases are frozen.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from forge.spec import lora_mlp as mlp_spec
+from forge.spec import lora_qkv as qkv_spec
+
+from . import _common
+from .glu import _act_and_grad
+
+BLOCK_M = 64
+BLOCK_N = 128
+
+
+def _block_k(r: int) -> int:
+    # tl.dot needs K >= 16; ranks above 64 loop over K
+    return max(16, min(64, triton.next_power_of_2(r)))
+
+
+@triton.jit
+def _cast(v, dt: tl.constexpr, RTNE: tl.constexpr):
+    """v (fp32) rounded to dt. Triton's interpreter truncates fp32 -> bf16 (round toward zero,
+    measured: half the values differ from torch's cast); with RTNE it rounds to nearest-even by
+    hand first, so the cast is exact. Compiled kernels round to nearest themselves (RTNE off)."""
+    if RTNE:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + (((b >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        v = b.to(tl.float32, bitcast=True)
+    return v.to(dt)
+
+
+@triton.jit
+def _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """(P Q)[rm, rn] for P (M, K) and Q (K, N) given by strides, K small (the LoRA rank)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        p = tl.load(p_ptr + rm[:, None] * s_pm + rk[None, :] * s_pk,
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # (BM, BK)
+        q = tl.load(q_ptr + rk[:, None] * s_qk + rn[None, :] * s_qn,
+                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # (BK, BN)
+        if UPCAST:  # interpreter: bf16 tl.dot is wrong there; float64 stays float64
+            p = p.to(ACC)
+            q = q.to(ACC)
+        if IEEE:  # fp32 adapters: full fp32 products, as cuBLAS does for eager, not tf32
+            acc += tl.dot(p, q, input_precision="ieee")
+        else:
+            acc += tl.dot(p, q)
+    return acc
+
+
+# out (M, N) += scale * P (M, K) @ Q (K, N); out is the base GEMM's output, updated in place
+@triton.jit
+def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_pk, s_qk, s_qn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RTNE: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    ptrs = out_ptr + rm[:, None] * s_om + rn[None, :] * s_on
+    base = tl.load(ptrs, mask=mask, other=0.0).to(ACC)
+    tl.store(ptrs, _cast(base + scale * lo, out_ptr.dtype.element_ty, RTNE), mask=mask)
+
+
+# g, u (M, I) hold the base GEMMs x W^T; add each LoRA term, store the full pre-activations back
+# (backward recomputes act from them) and h = act(g) * u. g and u are rounded to the storage
+# dtype before act, and act(g) before the product, as eager peft + HF compute them.
+@triton.jit
+def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G, K_U, scale_g, scale_u,
+                         s_xm, s_xk, s_bgk, s_bgn, s_buk, s_bun,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         RTNE: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lg = _lowrank_tile(xa_ptr, bg_ptr, rm, rn, M, N, K_G, s_xm, s_xk, s_bgk, s_bgn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
+    # the up adapter's xa_u sits K_G columns after xa_gate in the shared (M, K_G + K_U) buffer
+    lu = _lowrank_tile(xa_ptr + K_G * s_xk, bu_ptr, rm, rn, M, N, K_U, s_xm, s_xk, s_buk, s_bun,
+                       BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None] * N + rn[None, :]  # g, u, h are contiguous (M, N)
+    dt = h_ptr.dtype.element_ty
+    g = _cast(tl.load(g_ptr + offs, mask=mask, other=0.0).to(ACC) + scale_g * lg, dt, RTNE)
+    u = _cast(tl.load(u_ptr + offs, mask=mask, other=0.0).to(ACC) + scale_u * lu, dt, RTNE)
+    tl.store(g_ptr + offs, g, mask=mask)
+    tl.store(u_ptr + offs, u, mask=mask)
+    a, _ = _act_and_grad(g.to(ACC), GELU)
+    tl.store(h_ptr + offs, _cast(_cast(a, dt, RTNE).to(ACC) * u.to(ACC), dt, RTNE), mask=mask)
+
+
+# dh = dh_base + dha @ A_down with dh_base = dy W_down in dh_ptr and dha = scale_down * dy B_down;
+# then h = act(g) * u  =>  dg = dh * u * act'(g),  du = dh * act(g). h is recomputed (for
+# d A_down = dha^T h) and written over dh_ptr, which is not needed afterwards.
+@triton.jit
+def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, M, N, K,
+                         s_dm, s_dk, s_ak, s_an,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         RTNE: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = _lowrank_tile(dha_ptr, ad_ptr, rm, rn, M, N, K, s_dm, s_dk, s_ak, s_an,
+                       BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None] * N + rn[None, :]
+    dt = dh_ptr.dtype.element_ty
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(ACC) + lo
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(ACC)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(ACC)
+    a, da = _act_and_grad(g, GELU)
+    tl.store(dg_ptr + offs, _cast(dh * u * da, dt, RTNE), mask=mask)
+    tl.store(du_ptr + offs, _cast(dh * a, dt, RTNE), mask=mask)
+    tl.store(dh_ptr + offs, _cast(_cast(a, dt, RTNE).to(ACC) * u, dt, RTNE), mask=mask)
+
+
+def _consts(ldt: torch.dtype, r: int, out_dtype: torch.dtype) -> dict:
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(r),
+                ACC=_common.acc(out_dtype if out_dtype == torch.float64 else ldt),
+                UPCAST=_common.dot_upcast(), IEEE=ldt == torch.float32,
+                RTNE=_common.INTERPRET and out_dtype == torch.bfloat16)
+
+
+def _grid(m, n):
+    return (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+
+
+def lora_add_(out, p, q, scale: float):
+    """out (M, N) += scale * p (M, K) @ q (K, N), in place; strided p and q are fine."""
+    m, n = out.shape
+    if m and n:
+        _lora_add_kernel[_grid(m, n)](out, p, q, m, n, p.shape[1], float(scale), out.stride(0), out.stride(1),
+                                      p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+                                      **_consts(p.dtype, p.shape[1], out.dtype), num_warps=4)
+    return out
+
+
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])  # (M, H); copies only when x's strides demand it
+
+
+# ---------------------------------------------------------------------------------------- qkv
+def _no_autocast(fn):
+    """Run a Function's forward / backward with autocast off: the kernels compute in the dtypes
+    they are given (a caller under autocast casts first, as forge.patching.lora does)."""
+    def wrapped(ctx, *args):
+        with torch.autocast(_device_of(args), enabled=False):
+            return fn(ctx, *args)
+
+    return wrapped
+
+
+def _device_of(args) -> str:
+    # backward may get no tensor at all (every output gradient undefined): any device type will do
+    return next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+
+
+class LoraQKVFunction(torch.autograd.Function):
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, x, scales, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v):
+        x2 = _rows(x)  # (M, H)
+        ws, biases, bs = (w_q, w_k, w_v), (bias_q, bias_k, bias_v), (b_q, b_k, b_v)
+        a_cat = torch.cat((a_q, a_k, a_v))  # (r_q + r_k + r_v, H): one GEMM reads x once for all three
+        xa = x2.to(a_cat.dtype) @ a_cat.t()  # (M, R)
+        cuts = [0, a_q.shape[0], a_q.shape[0] + a_k.shape[0], a_cat.shape[0]]
+        outs = []
+        for i, (w, bias, b, s) in enumerate(zip(ws, biases, bs, scales)):
+            base = F.linear(x2, w, bias)  # (M, N_p), cuBLAS with the bias in its epilogue
+            lora_add_(base, xa[:, cuts[i]:cuts[i + 1]], b.t(), s)
+            outs.append(base.view(*x.shape[:-1], w.shape[0]))
+        ctx.save_for_backward(x2, xa, a_cat, *ws, *bs)
+        ctx.scales, ctx.cuts, ctx.x_shape = scales, cuts, x.shape
+        ctx.set_materialize_grads(False)  # k or v may be unused; skip their terms
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable  # the Triton kernels are not differentiable themselves
+    @_no_autocast
+    def backward(ctx, gq, gk, gv):
+        x2, xa, a_cat, w_q, w_k, w_v, b_q, b_k, b_v = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        ldt = a_cat.dtype
+        grads_b = [None, None, None]
+        dxa_parts = []  # d xa_p = s g_p B_p, (M, r_p) each; zero for a projection with no gradient
+        gx = None
+        for i, (g, w, b) in enumerate(zip((gq, gk, gv), (w_q, w_k, w_v), (b_q, b_k, b_v))):
+            s, lo, hi = ctx.scales[i], ctx.cuts[i], ctx.cuts[i + 1]
+            if g is None:
+                dxa_parts.append(xa.new_zeros((xa.shape[0], hi - lo)))
+                continue
+            g2 = g.reshape(-1, g.shape[-1])  # (M, N_p)
+            gl = g2.to(ldt)
+            dxa_parts.append((gl @ b).mul_(s))
+            if need[5 + 4 * i]:
+                grads_b[i] = (gl.t() @ xa[:, lo:hi]).mul_(s)  # d B_p = s g_p^T xa_p   (N_p, r_p)
+            if need[0]:
+                gx = g2 @ w if gx is None else gx.addmm_(g2, w)  # base path, accumulated in place
+        dxa = torch.cat(dxa_parts, dim=1)  # (M, R)
+        grads_a = [None, None, None]
+        if any(need[4 + 4 * i] for i in range(3)):
+            ga = dxa.t() @ x2.to(ldt)  # (R, H): d A for all three in one GEMM
+            grads_a = [ga[ctx.cuts[i]:ctx.cuts[i + 1]] for i in range(3)]
+        if need[0]:
+            if gx is None:
+                gx = torch.zeros(x2.shape, dtype=x2.dtype, device=x2.device)
+            gx.addmm_(dxa.to(x2.dtype), a_cat.to(x2.dtype))  # LoRA path onto the same buffer
+            gx = gx.view(ctx.x_shape)
+        return (gx, None, None, None, grads_a[0], grads_b[0], None, None, grads_a[1], grads_b[1],
+                None, None, grads_a[2], grads_b[2])
+
+
+def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+             *, scale_q, scale_k, scale_v):
+    """Triton LoRA q, k, v projections (forge.spec.lora_qkv) -> (q, k, v)."""
+    qkv_spec.check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+                   scale_q=scale_q, scale_k=scale_k, scale_v=scale_v)
+    _common.check_device(x=x, w_q=w_q, a_q=a_q, b_q=b_q, w_k=w_k, a_k=a_k, b_k=b_k, w_v=w_v, a_v=a_v, b_v=b_v)
+    qkv_spec.frozen(torch.is_grad_enabled(), w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
+    scales = (float(scale_q), float(scale_k), float(scale_v))
+    return LoraQKVFunction.apply(x, scales, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v)
+
+
+# ---------------------------------------------------------------------------------------- mlp
+class LoraMLPFunction(torch.autograd.Function):
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, x, scales, gelu, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down):
+        s_g, s_u, s_d = scales
+        x2 = _rows(x)  # (M, H)
+        m, inter, r, r_u = x2.shape[0], w_gate.shape[0], a_gate.shape[0], a_up.shape[0]
+        ldt = a_gate.dtype
+        a_gu = torch.cat((a_gate, a_up))  # (r + r_u, H)
+        xa = x2.to(ldt) @ a_gu.t()  # (M, r + r_u)
+        g = x2 @ w_gate.t()  # (M, I) base GEMMs; the kernel completes them in place
+        u = x2 @ w_up.t()
+        h = _common.empty((m, inter), x2.dtype, x2.device)
+        if m and inter:
+            _lora_glu_fwd_kernel[_grid(m, inter)](
+                g, u, h, xa, b_gate, b_up, m, inter, r, r_u, s_g, s_u, xa.stride(0), xa.stride(1),
+                b_gate.stride(1), b_gate.stride(0), b_up.stride(1), b_up.stride(0),
+                GELU=gelu, **_consts(ldt, max(r, r_u), x2.dtype), num_warps=4)
+        ha = h.to(ldt) @ a_down.t()  # (M, r)
+        y = h @ w_down.t()  # (M, H)
+        lora_add_(y, ha, b_down.t(), s_d)
+        ctx.save_for_backward(x2, g, u, xa, ha, w_gate, w_up, w_down, a_gu, b_gate, b_up, a_down, b_down)
+        ctx.scales, ctx.gelu, ctx.x_shape = scales, gelu, x.shape
+        return y.view(*x.shape[:-1], w_down.shape[0])
+
+    @staticmethod
+    @once_differentiable  # the Triton kernels are not differentiable themselves
+    @_no_autocast
+    def backward(ctx, dy):
+        x2, g, u, xa, ha, w_gate, w_up, w_down, a_gu, b_gate, b_up, a_down, b_down = ctx.saved_tensors
+        s_g, s_u, s_d = ctx.scales
+        need = ctx.needs_input_grad
+        m, inter, r = g.shape[0], g.shape[1], b_gate.shape[1]  # r: gate's rank
+        ldt = a_gu.dtype
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (M, H)
+        dyl = dy2.to(ldt)
+        dha = (dyl @ b_down).mul_(s_d)  # (M, r)
+        d_b_down = (dyl.t() @ ha).mul_(s_d) if need[11] else None  # (H, r)
+        dh = dy2 @ w_down  # (M, I); becomes h after the kernel
+        dg = _common.empty_like(g)
+        du = _common.empty_like(u)
+        if m and inter:
+            _lora_glu_bwd_kernel[_grid(m, inter)](
+                dh, g, u, dg, du, dha, a_down, m, inter, r, dha.stride(0), dha.stride(1),
+                a_down.stride(0), a_down.stride(1), GELU=ctx.gelu, **_consts(ldt, a_down.shape[0], g.dtype),
+                num_warps=4)
+        h = dh
+        d_a_down = dha.t() @ h.to(ldt) if need[10] else None  # (r, I)
+        dgl, dul = dg.to(ldt), du.to(ldt)
+        dxa = torch.cat(((dgl @ b_gate).mul_(s_g), (dul @ b_up).mul_(s_u)), dim=1)  # (M, r + r_u)
+        d_b_gate = (dgl.t() @ xa[:, :r]).mul_(s_g) if need[5] else None  # (I, r)
+        d_b_up = (dul.t() @ xa[:, r:]).mul_(s_u) if need[8] else None
+        d_a_gate = d_a_up = None
+        if need[4] or need[7]:
+            d_a = dxa.t() @ x2.to(ldt)  # (r + r_u, H)
+            d_a_gate, d_a_up = d_a[:r], d_a[r:]
+        gx = None
+        if need[0]:
+            gx = dg @ w_gate  # (M, H): base and LoRA paths accumulated into one buffer
+            gx.addmm_(du, w_up)
+            gx.addmm_(dxa.to(gx.dtype), a_gu.to(gx.dtype))
+            gx = gx.view(ctx.x_shape)
+        return (gx, None, None, None, d_a_gate, d_b_gate, None, d_a_up, d_b_up, None, d_a_down, d_b_down)
+
+
+def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+             *, scale_gate, scale_up, scale_down, act="silu"):
+    """Triton gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y."""
+    mlp_spec.check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+                   scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act)
+    _common.check_device(x=x, w_gate=w_gate, a_gate=a_gate, b_gate=b_gate, w_up=w_up, a_up=a_up,
+                         b_up=b_up, w_down=w_down, a_down=a_down, b_down=b_down)
+    mlp_spec.frozen(torch.is_grad_enabled(), w_gate=w_gate, w_up=w_up, w_down=w_down)
+    scales = (float(scale_gate), float(scale_up), float(scale_down))
+    return LoraMLPFunction.apply(x, scales, act == "gelu_tanh", w_gate, a_gate, b_gate, w_up, a_up, b_up,
+                                 w_down, a_down, b_down)
