@@ -15,8 +15,12 @@ import torch  # noqa: E402
 
 import _common as bc  # noqa: E402
 from forge.spec import shapes  # noqa: E402
-from forge_triton import rmsnorm as R  # noqa: E402
-from forge_triton import rope as P  # noqa: E402
+import forge_triton  # noqa: E402,F401  (sets the Triton mode first)
+import importlib  # noqa: E402
+
+# the modules, not the functions forge_triton exports under the same names
+R = importlib.import_module("forge_triton.rmsnorm")
+P = importlib.import_module("forge_triton.rope")
 
 
 def _rms(shape, tile, progs_per_sm):

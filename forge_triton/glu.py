@@ -27,13 +27,13 @@ def _act_and_grad(g, GELU: tl.constexpr):
     if GELU:
         # 0.5 * (1 + tanh(z)) == sigmoid(2z): no cancellation near 0, unlike 1 - 2 / (e^2z + 1)
         z2 = 2.0 * SQRT_2_OVER_PI * (g + GELU_C * g * g * g)
-        s = _common.sigmoid(z2)
+        s, one_minus_s = _common.sigmoid_pair(z2)
         a = g * s
-        da = s + 2.0 * g * s * (1.0 - s) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * g * g)
+        da = s + 2.0 * g * s * one_minus_s * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * g * g)
     else:
-        s = _common.sigmoid(g)
+        s, one_minus_s = _common.sigmoid_pair(g)
         a = g * s
-        da = s * (1.0 + g * (1.0 - s))
+        da = s * (1.0 + g * one_minus_s)
     return a, da
 
 
