@@ -1,0 +1,361 @@
+"""patch / unpatch: swap forge kernels into a live Hugging Face model, per instance, and back.
+
+Every replacement is an instance attribute: the forward a factory in ``forwards.py`` built, bound
+to the module with ``types.MethodType`` and stored in the module's ``__dict__``. The class, the
+transformers module and ``torch.nn.functional`` are never touched, so an unpatched model of the
+same class in the same process behaves as before. ``unpatch`` deletes the instance attribute (or
+restores a previous one), which gives back the class's own forward: outputs are bit-identical.
+
+RoPE: HF attention forwards call the module-level ``apply_rotary_pos_emb``. forge rebuilds the
+attention class's forward function with a copy of its globals in which that name is forge's
+RoPE, re-creating each decorator wrapper (``deprecate_kwarg`` and friends, found through
+``__wrapped__``) around the rebuilt function, and binds the result to the instance.
+
+Fused loss: the CausalLM forward is rebuilt the same way with its innermost function replaced.
+In a model in training mode (``model.training``) called with ``labels`` and
+``logits_to_keep=0``, it runs the decoder, shifts the labels like HF's ``ForCausalLMLoss``
+(pad with ignore_index, drop the first), and returns the fused loss with ``logits=None``
+(``num_items_in_batch``, ``ignore_index``, ``shift_labels`` and gemma2's
+``final_logit_softcapping`` honoured). Every other call (no labels, ``model.eval()``, a
+``logits_to_keep``, ``generate()``) runs the original forward: an evaluation loop gets its logits.
+
+Order: LoRA first (``forge.patching.lora.apply(model, patcher)``), then the generic walker
+(rmsnorm, swiglu/geglu, rope), which leaves alone every module that already has an instance-level
+forward (taken by LoRA, or by someone else such as accelerate's hooks), then the fused loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+
+from torch import nn
+
+from .. import errors, ops
+from ..spec import KERNELS
+from . import arch as _arch
+from . import forwards as fw
+from .guard import GuardStats
+from .patcher import TRAIN_ONLY, Patcher, restore
+
+MODES = ("train", "infer")
+LORA_KEYS = ("lora_qkv", "lora_mlp")
+_PUBLIC = ("_forge_patched_counts", "_forge_skipped", "_forge_guard_stats", "_forge_backends")
+
+
+@dataclasses.dataclass
+class _State:
+    args: tuple
+    records: list
+    chain: list
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments and model resolution
+
+
+def _normalize(mode, backend, min_elements, kernels):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if kernels is None:
+        requested, explicit = KERNELS, False
+    else:
+        requested = (kernels,) if isinstance(kernels, str) else tuple(kernels)
+        bad = [k for k in requested if k not in KERNELS]
+        if bad:
+            raise ValueError(f"kernels: unknown kernel key(s) {bad}; known: {KERNELS}")
+        explicit = True
+    choices = ("auto",) + ops.BACKENDS
+    if isinstance(backend, str):
+        backend = {k: backend for k in KERNELS}
+    elif isinstance(backend, dict):
+        bad = [k for k in backend if k not in KERNELS]
+        if bad:
+            raise ValueError(f"backend: unknown kernel key(s) {bad}; known: {KERNELS}")
+        backend = {k: backend.get(k, "auto") for k in KERNELS}
+    else:
+        raise TypeError("backend must be 'auto', 'triton', 'pallas' or a dict key -> backend, "
+                        f"got {type(backend).__name__}")
+    for k, b in backend.items():
+        if b not in choices:
+            raise ValueError(f"backend for {k!r} must be one of {choices}, got {b!r}")
+    if min_elements is not None:
+        vals = min_elements.items() if isinstance(min_elements, dict) else [("min_elements", min_elements)]
+        for k, v in vals:
+            if isinstance(min_elements, dict) and k not in KERNELS:
+                raise ValueError(f"min_elements: unknown kernel key {k!r}; known: {KERNELS}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"min_elements must be None, a non-negative int or a dict of them, got {v!r}")
+        if isinstance(min_elements, dict):
+            min_elements = dict(min_elements)
+    return mode, backend, min_elements, tuple(requested), explicit
+
+
+def _unwrap(model):
+    """([model, ..., root], root): peel peft (PeftModel -> base_model.model), torch.compile
+    (``_orig_mod``) and ``.model`` nesting down to the Hugging Face PreTrainedModel."""
+    from transformers import PreTrainedModel
+
+    chain, m = [model], model
+    for _ in range(8):
+        if isinstance(m, PreTrainedModel):
+            return chain, m
+        if hasattr(m, "peft_config") and callable(getattr(m, "get_base_model", None)):
+            m = m.get_base_model()
+        elif isinstance(getattr(m, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+            m = m._orig_mod
+        elif isinstance(getattr(m, "model", None), nn.Module):
+            m = m.model
+        else:
+            break
+        chain.append(m)
+    raise errors.UnsupportedModelError(
+        f"forge.patch needs a Hugging Face PreTrainedModel (optionally wrapped by peft or held in "
+        f"a module's .model), got {type(model).__name__} (model_type None); supported model_types: "
+        f"{', '.join(_arch.SUPPORTED)}")
+
+
+def _arch_of(root):
+    mt = getattr(getattr(root, "config", None), "model_type", None)
+    a = _arch.ARCHS.get(mt)
+    if a is None:
+        raise errors.UnsupportedModelError(
+            f"forge does not support model_type {mt!r} ({type(root).__name__}); supported: "
+            f"{', '.join(_arch.SUPPORTED)}")
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def patch(model, mode="train", backend="auto", min_elements=None, kernels=None):
+    """Swap forge kernels into ``model`` (see ``forge.patch``); returns ``model``.
+
+    Patching again with the same arguments is a no-op; with different ones the model is
+    unpatched first. Any error while patching leaves the model unpatched.
+    """
+    args = _normalize(mode, backend, min_elements, kernels)
+    chain, root = _unwrap(model)
+    arch = _arch_of(root)
+    state = root.__dict__.get("_forge_state")
+    if state is not None:
+        if state.args == args[:4]:
+            return model
+        unpatch(model)
+    mode, backend_req, min_req, requested, explicit = args
+    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit)
+    # an explicitly named backend that cannot run here is an error, not a skip
+    for b in sorted({backend_req[k] for k in requested} - {"auto"}):
+        ops.require(b)
+    try:
+        if mode == "infer":
+            for k in TRAIN_ONLY:
+                if k in requested:
+                    p.skip(k, f"mode='infer' declines {k}: it only serves training (a loss or adapter gradients)")
+        _apply_lora(root, p)
+        _walk(root, arch, p)
+        _apply_fused_ce(root, arch, p)
+    except BaseException:
+        p.restore()
+        raise
+    root.__dict__["_forge_state"] = _State(args[:4], p._records, chain)
+    public = (dict(p.counts), dict(p.skipped), p.stats, p.backends())
+    for obj in chain:
+        for name, value in zip(_PUBLIC, public):
+            object.__setattr__(obj, name, value)
+    return model
+
+
+def unpatch(model):
+    """Restore every original forward; a no-op on a model forge has not patched."""
+    try:
+        _chain, root = _unwrap(model)
+    except errors.UnsupportedModelError:
+        return model
+    state = root.__dict__.pop("_forge_state", None)
+    if state is None:
+        return model
+    restore(state.records)
+    for obj in state.chain:
+        for name in _PUBLIC:
+            obj.__dict__.pop(name, None)
+    return model
+
+
+def guard_stats(model) -> GuardStats:
+    """The guard statistics of a patched model (``model._forge_guard_stats``)."""
+    _chain, root = _unwrap(model)
+    if "_forge_state" not in root.__dict__:
+        raise ValueError("guard_stats: this model is not patched by forge")
+    return root._forge_guard_stats
+
+
+# ---------------------------------------------------------------------------------------------
+# the generic walker
+
+
+def _hf_forward(cls) -> bool:
+    """The forward that runs is transformers' own (a user subclass may compute something else)."""
+    return getattr(getattr(cls, "forward", None), "__module__", "").startswith("transformers.")
+
+
+def _walk(root, arch, p):
+    norms, mlps, attns = [], [], []
+    for name, mod in root.named_modules():
+        cls = type(mod)
+        if "forward" in mod.__dict__ or not _hf_forward(cls):
+            continue  # replaced by someone else (e.g. accelerate hooks) or not HF code: leave it
+        cname, leaf = cls.__name__, name.rpartition(".")[2]
+        if cname.endswith(_arch.NORM_SUFFIX) and leaf in arch.norms:
+            norms.append(mod)
+        elif cname.endswith(_arch.MLP_SUFFIX):
+            mlps.append(mod)
+        elif cname.endswith(_arch.ATTN_SUFFIX):
+            attns.append(mod)
+    _apply_rmsnorm(p, arch, norms)
+    _apply_glu(p, arch, mlps)
+    _apply_rope(p, arch, attns)
+
+
+def _ready(p, key, found, what):
+    """The kernel for ``key`` if it should be applied to the modules found, else None (skipped)."""
+    if not p.wants(key):
+        return None
+    if not found:
+        p.skip(key, f"no {what} found in {p.arch.model_type} model")
+        return None
+    try:
+        return p.kernel(key)
+    except errors.BackendUnavailableError as e:
+        p.skip(key, str(e))
+        return None
+
+
+def _apply_rmsnorm(p, arch, norms):
+    kernel = _ready(p, "rmsnorm", norms, f"RMSNorm modules named {arch.norms}")
+    if kernel is None:
+        return
+    thr, ks = p.min_elements("rmsnorm"), p.stats.counter("rmsnorm")
+    for mod in norms:
+        eps_attr = next((a for a in _arch.EPS_ATTRS if isinstance(getattr(mod, a, None), float | int)), None)
+        w = getattr(mod, "weight", None)
+        if p.is_replaced(mod) or eps_attr is None or w is None or w.dim() != 1:
+            continue
+        fwd = fw.rmsnorm_forward(kernel, type(mod).forward, eps_attr, arch.norm_casting, arch.norm_offset, thr, ks)
+        p.replace_forward(mod, "rmsnorm", types.MethodType(fwd, mod))
+    if "rmsnorm" not in p.counts:
+        p.skip("rmsnorm", "no RMSNorm module has a 1-D weight and an eps attribute " + str(_arch.EPS_ATTRS))
+
+
+def _apply_glu(p, arch, mlps):
+    key = arch.glu
+    other = "geglu" if key == "swiglu" else "swiglu"
+    if p.explicit and p.wants(other):
+        p.skip(other, f"{arch.model_type} uses {key}, not {other}")
+    act = getattr(p.model.config, arch.act_attr, None)
+    if p.wants(key) and act not in _arch.GLU_ACTS[key]:
+        p.skip(key, f"config.{arch.act_attr}={act!r}, but the {key} kernel computes {_arch.GLU_ACTS[key]}")
+    kernel = _ready(p, key, mlps, "MLP modules")
+    if kernel is None:
+        return
+    thr, ks = p.min_elements(key), p.stats.counter(key)
+    for mod in mlps:
+        if p.is_replaced(mod) or not all(isinstance(getattr(mod, n, None), nn.Module) for n in _arch.MLP_PROJ):
+            continue
+        width = getattr(mod.gate_proj, "out_features", None) or mod.intermediate_size
+        fwd = fw.glu_forward(kernel, type(mod).forward, width, thr, ks)
+        p.replace_forward(mod, key, types.MethodType(fwd, mod))
+    if key not in p.counts:
+        p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")
+
+
+def _apply_rope(p, arch, attns):
+    if not arch.rope and p.wants("rope"):
+        p.skip("rope", f"{arch.model_type} attention does not use apply_rotary_pos_emb")
+    kernel = _ready(p, "rope", attns, "attention modules")
+    if kernel is None:
+        return
+    thr, ks = p.min_elements("rope"), p.stats.counter("rope")
+    name, built, why = _arch.ROPE_FUNCTION, {}, []
+    for mod in attns:
+        cls = type(mod)
+        if p.is_replaced(mod):
+            continue
+        if cls not in built:
+            built[cls] = None
+            try:
+                inner = fw.innermost(cls.forward)
+                g = inner.__globals__
+                if name not in inner.__code__.co_names or name not in g:
+                    raise fw.RebuildError(f"{cls.__name__}.forward does not call a module-level {name}")
+                # a copy of the modeling module's globals with forge's RoPE under HF's name: the
+                # module itself, and every other model using it, keep HF's function
+                g = dict(g)
+                g[name] = fw.rope_function(kernel, inner.__globals__[name], thr, ks)
+                built[cls] = fw.rebuild(cls.forward, lambda f: fw.copy_function(f, g, f.__closure__))
+            except fw.RebuildError as e:
+                why.append(str(e))
+        if built[cls] is not None:
+            p.replace_forward(mod, "rope", types.MethodType(built[cls], mod))
+    if "rope" not in p.counts and why:
+        p.skip("rope", "; ".join(why))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA and the fused loss
+
+
+def _has_lora(root) -> bool:
+    return any(isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and len(m.lora_A) for m in root.modules())
+
+
+def _apply_lora(root, p):
+    wanted = [k for k in LORA_KEYS if p.wants(k)]
+    if not wanted:
+        return
+    if not _has_lora(root):
+        for k in wanted:
+            p.skip(k, "the model has no LoRA adapters (no peft LoRA layers)")
+        return
+    try:
+        from . import lora
+    except ImportError as e:
+        for k in wanted:
+            p.skip(k, f"forge.patching.lora is not available ({e})")
+        return
+    lora.apply(root, p)  # LoRA runs first: the modules it takes over are left alone after it
+    for k in wanted:
+        if k not in p.counts and k not in p.skipped:
+            p.skip(k, f"no module matched {k}")
+
+
+def _apply_fused_ce(root, arch, p):
+    key = "fused_linear_ce"
+    if not p.wants(key):
+        return
+    lm = getattr(root, "lm_head", None)
+    decoder = getattr(root, getattr(root, "base_model_prefix", "model"), None)
+    why = None
+    if not isinstance(lm, nn.Linear) or not isinstance(decoder, nn.Module):
+        why = f"{type(root).__name__} has no nn.Linear lm_head over a decoder (not a *ForCausalLM)"
+    elif "_loss_function" in root.__dict__ or getattr(root, "loss_type", None) not in (None, "ForCausalLM"):
+        why = "the model has a custom loss function"
+    elif "forward" in root.__dict__ or not _hf_forward(type(root)):
+        why = f"{type(root).__name__}.forward is not transformers' own"
+    elif "labels" not in inspect.signature(fw.innermost(type(root).forward)).parameters:
+        why = f"{type(root).__name__}.forward takes no labels"
+    if why:
+        p.skip(key, why)
+        return
+    kernel = _ready(p, key, [root], "lm_head")
+    if kernel is None:
+        return
+    inner = fw.innermost(type(root).forward)
+    fused = fw.fused_ce_forward(kernel, inner, arch.logit_softcap_attr, p.stats.counter(key))
+    try:
+        fn = fw.rebuild(type(root).forward, lambda f: fused)
+    except fw.RebuildError as e:
+        p.skip(key, str(e))
+        return
+    p.replace_forward(root, key, types.MethodType(fn, root))

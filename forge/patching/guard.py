@@ -1,0 +1,66 @@
+"""Per-call size guard statistics: how many calls of each kernel were fused and how many fell back.
+
+The guard itself is one integer comparison inlined in each replaced forward (``core.py``): a
+shape-sensitive kernel (rmsnorm, swiglu, geglu, rope) runs only when the call has at least
+``min_elements`` activation elements, else the original forward runs. It executes about 1,400
+times per forward of a 24-layer model, so it must cost next to nothing: the closure holds its
+threshold as a local int and its counter object directly, and bumps one attribute per call
+(tens of nanoseconds; no dict lookup, no lock, no host sync).
+
+Read the counts from a patched model::
+
+    stats = model._forge_guard_stats      # also forge.patching.guard_stats(model)
+    stats.as_dict()   # {"rmsnorm": {"fused": 98, "fallback": 0}, ...}
+    stats.reset()
+
+Counts are per call, so gradient checkpointing (which re-runs the forward) counts a layer twice.
+"""
+from __future__ import annotations
+
+
+class KeyStats:
+    """Counters for one kernel key; the replaced forwards bump these attributes directly."""
+
+    __slots__ = ("fused", "fallback")
+
+    def __init__(self) -> None:
+        self.fused = 0
+        self.fallback = 0
+
+    def __repr__(self) -> str:
+        return f"KeyStats(fused={self.fused}, fallback={self.fallback})"
+
+
+class GuardStats:
+    """Fused / fallback call counts per kernel key, shared by every forward of one patch."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, KeyStats] = {}
+
+    def counter(self, key: str) -> KeyStats:
+        """The counter a replaced forward captures (one per key, created on first request)."""
+        ks = self._keys.get(key)
+        if ks is None:
+            ks = self._keys[key] = KeyStats()
+        return ks
+
+    def fused(self, key: str) -> int:
+        ks = self._keys.get(key)
+        return ks.fused if ks else 0
+
+    def fallback(self, key: str) -> int:
+        ks = self._keys.get(key)
+        return ks.fallback if ks else 0
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {k: {"fused": v.fused, "fallback": v.fallback} for k, v in self._keys.items()}
+
+    def reset(self) -> None:
+        # zero in place: the forwards hold these very objects
+        for ks in self._keys.values():
+            ks.fused = 0
+            ks.fallback = 0
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}: {v.fused} fused / {v.fallback} fallback" for k, v in self._keys.items())
+        return f"GuardStats({body})"

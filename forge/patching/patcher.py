@@ -1,0 +1,131 @@
+"""The Patcher: what one ``forge.patch`` pass knows and records, and the object handed to
+``forge.patching.lora.apply(model, patcher)``.
+
+Interface (kept stable for the LoRA patcher): ``mode``; ``stats`` (the guard statistics);
+``min_elements(key)``; ``backend(key)`` and ``kernel(key)`` (raise BackendUnavailableError when
+no backend can run the kernel); ``wants(key)`` (requested and allowed in this mode);
+``replace_forward(module, key, new_forward)``; ``skip(key, reason)``.
+"""
+from __future__ import annotations
+
+from .. import errors, ops
+from ..spec import SHAPE_SENSITIVE
+from .guard import GuardStats
+
+TRAIN_ONLY = ("fused_linear_ce", "lora_qkv", "lora_mlp")  # need a loss / adapter gradients
+
+
+class Patcher:
+    """What a patch pass knows; handed to ``forge.patching.lora.apply(model, patcher)``.
+
+    ``replace_forward(module, key, new_forward)`` stores ``new_forward`` as the instance's
+    ``forward`` exactly as given (pass a bound method or a closure over the module; it is called
+    like ``module.forward(*args, **kwargs)``) and remembers the original for ``unpatch``.
+    """
+
+    def __init__(self, root, arch, mode, backend_req, min_req, requested, explicit):
+        self.model, self.arch, self.mode = root, arch, mode
+        self.stats = GuardStats()
+        self.counts: dict[str, int] = {}
+        self.skipped: dict[str, str] = {}
+        self._backend_req, self._min_req = backend_req, min_req
+        self._requested, self.explicit = requested, explicit
+        self._loaded: dict[str, tuple] = {}
+        self._records: list[list] = []       # [module, had_instance_forward, old_forward, key]
+        self._by_id: dict[int, list] = {}
+
+    # -- the interface the LoRA patcher uses -------------------------------------------------
+    def wants(self, key: str) -> bool:
+        return (key in self._requested and key not in self.skipped
+                and not (self.mode == "infer" and key in TRAIN_ONLY))
+
+    def backend(self, key: str) -> str:
+        b, hit = self._load(key)
+        if b is None:
+            raise errors.BackendUnavailableError(hit)
+        return b
+
+    def kernel(self, key: str):
+        b, hit = self._load(key)
+        if b is None:
+            raise errors.BackendUnavailableError(hit)
+        return hit
+
+    def min_elements(self, key: str) -> int:
+        if key not in SHAPE_SENSITIVE:
+            return 0
+        m = self._min_req
+        if isinstance(m, dict) and key in m:
+            return m[key]
+        if isinstance(m, int):
+            return m
+        import forge  # read at patch time so a user (or the calibration) can change it
+
+        d = forge.MIN_FUSED_ELEMENTS.get(self.backend(key), 0)
+        return int(d.get(key, 0) if isinstance(d, dict) else d)
+
+    def replace_forward(self, module, key: str, new_forward) -> None:
+        rec = self._by_id.get(id(module))
+        if rec is None:
+            had = "forward" in module.__dict__
+            rec = [module, had, module.__dict__.get("forward"), key]
+            self._records.append(rec)
+            self._by_id[id(module)] = rec
+        else:  # a later kernel takes the module over (e.g. lora_mlp after swiglu)
+            self._count(rec[3], -1)
+            rec[3] = key
+        module.__dict__["forward"] = new_forward
+        self._count(key, 1)
+
+    def skip(self, key: str, reason: str) -> None:
+        self.skipped[key] = reason
+
+    # -- internals ---------------------------------------------------------------------------
+    def is_replaced(self, module) -> bool:
+        return id(module) in self._by_id
+
+    def _count(self, key, d):
+        n = self.counts.get(key, 0) + d
+        if n:
+            self.counts[key] = n
+        else:
+            self.counts.pop(key, None)
+
+    def _load(self, key):
+        hit = self._loaded.get(key)
+        if hit is None:
+            hit = self._loaded[key] = _find_kernel(key, self._backend_req[key])
+        return hit
+
+    def backends(self) -> dict[str, str]:
+        return {k: v[0] for k, v in self._loaded.items() if v[0] is not None and k in self.counts}
+
+    def restore(self) -> None:
+        restore(self._records)
+        self._records.clear()
+        self._by_id.clear()
+
+
+def _find_kernel(key, want):
+    """(backend, fn) for the first usable backend that implements ``key``, else (None, reason)."""
+    why = []
+    for b in ops.BACKENDS if want == "auto" else (want,):
+        ok, reason = ops.availability(b)
+        if not ok:
+            why.append(reason)
+            continue
+        try:
+            return b, ops.get(key, b)
+        except Exception as e:  # kernel module not written yet, or broken: skip, never crash
+            why.append(f"{b}: {type(e).__name__}: {e}")
+    return None, f"no backend can run {key}: " + "; ".join(why)
+
+
+def restore(records) -> None:
+    """Undo replace_forward records, newest first: delete the instance attribute, or put back the
+    one that was there, so the module's forward is again exactly what it was."""
+    for module, had, old, _key in reversed(records):
+        if had:
+            module.__dict__["forward"] = old
+        else:
+            module.__dict__.pop("forward", None)

@@ -1,0 +1,300 @@
+"""peft LoRA models patched with forge's fused lora_qkv / lora_mlp (forge/patching/lora.py).
+
+Tiny random models of every architecture (forge.__main__.build_model: save_pretrained and
+from_pretrained) get LoRA on q, k, v, o, gate, up, down. The patched model's loss and every
+adapter gradient meet the oracle's rule (forge/spec/tolerance.py) against the unpatched model
+run in float64, with the unpatched fp32 model as the eager baseline; base weights get no
+gradient. Adapters that do not fit are left to peft with a reason; call-time state (disabled,
+merged, another adapter) falls back per call; unpatch restores; re-patching picks up new layers.
+Only the two LoRA kernels are patched here (the full patch with LoRA is in test_models.py).
+"""
+from __future__ import annotations
+
+import forge_triton  # noqa: F401  (first: sets TRITON_INTERPRET before peft imports triton)
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import forge  # noqa: E402
+from forge import ops  # noqa: E402
+from forge.__main__ import build_model  # noqa: E402
+from forge.spec import tolerance  # noqa: E402
+
+peft = pytest.importorskip("peft")
+
+LORA = ["lora_qkv", "lora_mlp"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# qwen2 (q/k/v biases), qwen3 (q/k norms), gemma, gemma2 (softcapping) and llama (the plain
+# one); mistral is llama's layout. Pallas compiles each model's shapes for seconds in its
+# interpreter: on CPU two architectures cover it (bias + silu, no bias + gelu_tanh); on a GPU all
+ARCHS = ("qwen2", "qwen3", "gemma", "gemma2", "llama")
+PALLAS_CPU = ("qwen2", "gemma2")
+CASES = [pytest.param(mt, "triton", id=f"{mt}-triton") for mt in ARCHS] + [
+    pytest.param(mt, "pallas", id=f"{mt}-pallas", marks=() if mt in PALLAS_CPU else pytest.mark.gpu)
+    for mt in ARCHS]
+
+
+def lora_model(model_type, device="cpu", r=8, shape="cpu", dtype=torch.float32, seed=1, **lora_kw):
+    model = build_model(model_type, shape, dtype=dtype, device=device)
+    kw = dict(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS, init_lora_weights=False)
+    kw.update(lora_kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # init_lora_weights=False: random B, so every adapter matters
+        return peft.get_peft_model(model, peft.LoraConfig(**kw))
+
+
+def batch(model, device, b=2, s=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (b, s), generator=g).to(device)
+    return ids
+
+
+def step(model, ids):
+    """(loss, {trainable param name: grad}) of one training step; asserts frozen params got none."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    assert not frozen, f"frozen base weights received gradients: {frozen[:3]}"
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all("lora_" in n for n in grads), "only adapters are trainable"
+    return loss.detach(), grads
+
+
+def assert_like_eager(patched, eager, ref, model, ids, dtype=None):
+    # K: the longest fp32 accumulation behind any output (vocab in the loss, widths, tokens)
+    c = model.config
+    k = max(c.vocab_size, c.intermediate_size, c.hidden_size, ids.numel())
+    (lp, gp), (le, ge), (lr, gr) = patched, eager, ref
+    dtype = dtype or lp.dtype  # the compute dtype (bf16 under autocast, with fp32 results)
+    tolerance.assert_close("loss", lp, lr, le, dtype, k)
+    assert gp.keys() == gr.keys()
+    for name in gr:
+        assert gp[name].abs().sum() > 0, f"{name}: zero gradient"
+        tolerance.assert_close(f"grad {name}", gp[name], gr[name], ge[name], dtype, k)
+
+
+def need(backend):
+    ok, why = ops.availability(backend)
+    if not ok:
+        pytest.skip(why)
+
+
+def run_case(pm, backend, device, **patch_kw):
+    ids = batch(pm, device)
+    ref = step(copy.deepcopy(pm).double(), ids)
+    eager = step(pm, ids)
+    forge.patch(pm, backend=backend, kernels=LORA, **patch_kw)
+    patched = step(pm, ids)
+    assert_like_eager(patched, eager, ref, pm, ids)
+    return ids, eager
+
+
+@pytest.mark.parametrize("model_type,backend", CASES)
+def test_lora_model_matches_eager(model_type, backend, device):
+    need(backend)
+    pm = lora_model(model_type, device)
+    n = pm.config.num_hidden_layers
+    ids, eager = run_case(pm, backend, device)
+    assert pm._forge_patched_counts == {"lora_qkv": n, "lora_mlp": n}, pm._forge_skipped
+    stats = pm._forge_guard_stats
+    assert stats.fused("lora_qkv") == n and stats.fused("lora_mlp") == n and stats.fallback("lora_qkv") == 0
+    forge.unpatch(pm)
+    assert not any("forward" in m.__dict__ for m in pm.modules())
+    assert torch.equal(step(pm, ids)[0], eager[0]), "unpatch did not restore the exact loss"
+
+
+# ------------------------------------------------------------------ adapters that do not fit
+def _dropout_in_layer_1(pm):
+    # one layer's adapter gets dropout after the fact: the other layer is still fused
+    layer = pm.base_model.model.model.layers[1]
+    layer.self_attn.v_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    layer.mlp.up_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+
+
+MISFITS = [
+    pytest.param(dict(lora_dropout=0.1), None, "lora_dropout 0.1", {}, id="dropout"),
+    pytest.param(dict(use_dora=True), None, "DoRA", {}, id="dora"),
+    pytest.param(dict(lora_bias=True), None, "LoRA bias", {}, id="lora_bias"),
+    pytest.param({}, _dropout_in_layer_1, "1 of 2", {"lora_qkv": 1, "lora_mlp": 1}, id="one_layer"),
+]
+
+
+@pytest.mark.parametrize("lora_kw,edit,reason,counts", MISFITS)
+def test_misfit_adapters_left_to_peft(lora_kw, edit, reason, counts):
+    pm = lora_model("qwen2", **lora_kw)
+    if edit:
+        edit(pm)
+    forge.patch(pm, backend="triton", kernels=LORA)
+    assert pm._forge_patched_counts == counts
+    for key in LORA:
+        assert reason in pm._forge_skipped[key], pm._forge_skipped
+    layers = pm.base_model.model.model.layers
+    fused = 0 if not counts else 1
+    assert sum("forward" in l.mlp.__dict__ for l in layers) == fused  # the others run peft's path
+    assert sum("forward" in l.self_attn.q_proj.__dict__ for l in layers) == fused
+
+
+def test_partial_targets_skipped_with_reason():
+    pm = lora_model("qwen3", target_modules=["q_proj", "v_proj", "gate_proj", "up_proj"])
+    forge.patch(pm, backend="triton", kernels=LORA)
+    assert pm._forge_patched_counts == {}
+    assert "k_proj" in pm._forge_skipped["lora_qkv"] and "down_proj" in pm._forge_skipped["lora_mlp"]
+
+
+def test_infer_mode_skips():
+    pm = lora_model("gemma")
+    forge.patch(pm, mode="infer", backend="triton", kernels=LORA)
+    assert pm._forge_patched_counts == {}
+    assert all("infer" in pm._forge_skipped[k] for k in LORA)
+
+
+# ------------------------------------------------------------------ call-time state, later adapters
+def test_call_time_state_and_later_adapters():
+    pm = lora_model("qwen2")
+    ref = copy.deepcopy(pm)  # unpatched twin
+    ids = batch(pm, "cpu")
+    forge.patch(pm, backend="triton", kernels=LORA)
+    stats = pm._forge_guard_stats
+    with torch.no_grad():
+        with pm.disable_adapter(), ref.disable_adapter():  # adapters off: peft's path, base only
+            assert torch.equal(pm(ids).logits, ref(ids).logits)
+        assert stats.fallback("lora_qkv") == 2 and stats.fallback("lora_mlp") == 2 and stats.fused("lora_mlp") == 0
+    # an adapter added and activated after forge.patch is picked up at call time (fused)
+    for m in (pm, ref):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            cfg = peft.LoraConfig(r=16, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+            m.add_adapter("second", cfg)
+        m.set_adapter("second")
+    eager, patched = step(ref, ids), step(pm, ids)
+    assert_like_eager(patched, eager, step(copy.deepcopy(ref).double(), ids), pm, ids)
+    assert set(patched[1]) == {n for n, p in pm.named_parameters() if p.requires_grad} and all(
+        ".second." in n for n in patched[1])
+    assert stats.fused("lora_qkv") == 2 and stats.fused("lora_mlp") == 2
+
+
+def test_repatch_picks_up_new_lora_layers():
+    model = build_model("qwen2")
+    forge.patch(model, backend="triton", kernels=LORA)
+    assert "no LoRA adapters" in model._forge_skipped["lora_qkv"]
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=TARGETS, init_lora_weights=False))
+    forge.unpatch(pm)
+    forge.patch(pm, backend="triton", kernels=LORA)
+    assert pm._forge_patched_counts == {"lora_qkv": 2, "lora_mlp": 2}
+
+
+def test_qkv_slot_only_serves_the_same_input():
+    pm = lora_model("qwen2")
+    forge.patch(pm, backend="triton", kernels=LORA)
+    attn = pm.base_model.model.model.layers[0].self_attn
+    x, y = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+
+    def peft_out(name, t):
+        m = getattr(attn, name)
+        return type(m).forward(m, t)
+
+    with torch.no_grad():
+        q = attn.q_proj(x)  # fused: k(x), v(x) wait in the slot
+        k_y = attn.k_proj(y)  # another input: peft's own forward
+        v_x = attn.v_proj(x)  # from the slot
+        attn.q_proj(x)
+        x.mul_(2)  # changed in place: the slot's k(x) is stale
+        k_x2 = attn.k_proj(x)
+    torch.testing.assert_close(q, peft_out("q_proj", x / 2))
+    torch.testing.assert_close(k_y, peft_out("k_proj", y))
+    torch.testing.assert_close(v_x, peft_out("v_proj", x / 2))
+    torch.testing.assert_close(k_x2, peft_out("k_proj", x))
+    # deepcopy rebinds the fused forwards to the copy's modules
+    pm2 = copy.deepcopy(pm)
+    attn2 = pm2.base_model.model.model.layers[0].self_attn
+    assert attn2.k_proj.forward.__self__ is attn2
+
+
+# ------------------------------------------------------------------ the H200: Qwen2.5-0.5B shape
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ops.BACKENDS)
+def test_qwen05b_lora_training_tracks_eager(backend):
+    """20 AdamW steps of r=16 LoRA on q, k, v, o, gate, up, down in bf16 (peft keeps adapters in
+    fp32): the patched loss stays within 1% of the unpatched one at every step."""
+    need(backend)
+    losses = {}
+    for name in ("eager", "forge"):
+        pm = lora_model("qwen2", "cuda", r=16, shape="qwen05b", dtype=torch.bfloat16, init_lora_weights=True)
+        if name == "forge":
+            forge.patch(pm, backend=backend)
+            assert pm._forge_patched_counts["lora_qkv"] == 24 and pm._forge_patched_counts["lora_mlp"] == 24
+        opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=2e-4)
+        out = []
+        for i in range(20):
+            ids = batch(pm, "cuda", b=4, s=1024, seed=i % 4)
+            loss = pm(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.item())
+        losses[name] = out
+        del pm, opt
+        torch.cuda.empty_cache()
+    for i, (e, f) in enumerate(zip(losses["eager"], losses["forge"])):
+        assert abs(f - e) <= 0.01 * abs(e), f"step {i}: forge {f:.4f} vs eager {e:.4f}; {losses}"
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_autocast_bf16(backend):
+    # HF Trainer's bf16 mixed precision: fp32 weights under autocast. Eager peft then runs every
+    # matmul in bf16; the fused call casts the same way and runs in bf16 (not a fallback)
+    need(backend)
+    pm = lora_model("qwen2")
+    ids = batch(pm, "cpu")
+    ref = step(copy.deepcopy(pm).double(), ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = step(pm, ids)
+        forge.patch(pm, backend=backend, kernels=LORA)
+        patched = step(pm, ids)
+    assert pm._forge_guard_stats.fused("lora_qkv") == 2 and pm._forge_guard_stats.fallback("lora_mlp") == 0
+    assert all(g.dtype == torch.float32 for g in patched[1].values())
+    assert_like_eager(patched, eager, ref, pm, ids, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(reentrant):
+    # the recompute runs q_proj's fused call and the k/v slot again (twice per layer in all)
+    pm = lora_model("qwen3")
+    pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        pm.enable_input_require_grads()
+    run_case(pm, "triton", "cpu")
+    n = 2 * pm.config.num_hidden_layers
+    assert pm._forge_guard_stats.fused("lora_qkv") == n and pm._forge_guard_stats.fused("lora_mlp") == n
+
+
+def test_call_time_check_agrees_with_reasons():
+    # fused_params (the per-call fast path) and misfit (the readable reasons) must agree
+    from forge.patching.lora import _peft_linear, fused_params, misfit
+
+    lin = _peft_linear()
+    pm = lora_model("qwen2")
+    attn = pm.base_model.model.model.layers[0].self_attn
+
+    def agree(layer, bias_ok=True):
+        why = misfit(layer, lin, bias_ok=bias_ok)
+        got = fused_params(layer, lin, bias_ok)
+        assert (why is None) == (got is not None), why
+        return why
+
+    assert agree(attn.q_proj) is None
+    assert "has a bias" in agree(attn.q_proj, bias_ok=False)  # qwen2's q/k/v carry biases
+    attn.k_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    assert "lora_dropout" in agree(attn.k_proj)
+    attn.k_proj.lora_dropout["default"].eval()  # eval-mode dropout is the identity: fits a call
+    assert agree(attn.k_proj) is None
+    attn.v_proj.base_layer.weight.requires_grad_(True)
+    assert "trainable" in agree(attn.v_proj)
+    with pm.disable_adapter():
+        assert "disabled" in agree(attn.q_proj)
+    pm.merge_adapter()
+    assert "merged" in agree(attn.q_proj)
+    pm.unmerge_adapter()
+    assert agree(attn.q_proj) is None
