@@ -103,18 +103,18 @@ def check_arch(model_type, backend, shape, dtype, device, b, s, ref_dtype, **pat
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model_type", ARCHS)
-def test_patched_model_matches_eager(model_type, backend):
+def test_patched_model_matches_eager(model_type, backend, device):
     need(backend)
-    counts, skipped = check_arch(model_type, backend, "cpu", torch.float32, "cpu", 2, 4, torch.float64)
+    counts, skipped = check_arch(model_type, backend, "cpu", torch.float32, device, 2, 4, torch.float64)
     assert counts == TINY_COUNTS[model_type], f"declined: {skipped}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gradient_checkpointing(backend):
+def test_gradient_checkpointing(backend, device):
     need(backend)
-    model = build_model("qwen2")
+    model = build_model("qwen2", device=device)
     model.gradient_checkpointing_enable()
-    ids, labels = batch(model, 2, 4, "cpu", seed=3)
+    ids, labels = batch(model, 2, 4, device, seed=3)
     ref_model = copy.deepcopy(model).double()
     ref = run(ref_model, ids, labels)
     eager = run(model, ids, labels)
@@ -128,10 +128,10 @@ def test_gradient_checkpointing(backend):
 # infer mode, and train mode (the fused-loss forward installed, generate() must bypass it)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model_type,mode", [("qwen2", "infer"), ("gemma2", "train")])
-def test_greedy_generate_token_identical(model_type, mode, backend):
+def test_greedy_generate_token_identical(model_type, mode, backend, device):
     need(backend)
-    model = build_model(model_type).eval()
-    ids, _ = batch(model, 2, 4, "cpu", seed=5)
+    model = build_model(model_type, device=device).eval()
+    ids, _ = batch(model, 2, 4, device, seed=5)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **kw)
     forge.patch(model, mode=mode, backend=backend, min_elements=0)
@@ -141,10 +141,10 @@ def test_greedy_generate_token_identical(model_type, mode, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_peft_lora_model_matches_eager(backend):
+def test_peft_lora_model_matches_eager(backend, device):
     need(backend)
     peft = pytest.importorskip("peft")
-    model = build_model("qwen2")
+    model = build_model("qwen2", device=device)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj",
                                                                                "gate_proj", "up_proj", "down_proj"])
     with torch.random.fork_rng():
@@ -153,7 +153,7 @@ def test_peft_lora_model_matches_eager(backend):
         for n, p in pm.named_parameters():  # lora_B starts at zero: make the adapters matter
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.1)
-    ids, labels = batch(pm, 2, 4, "cpu", seed=7)
+    ids, labels = batch(pm, 2, 4, device, seed=7)
     ref_model = copy.deepcopy(pm).double()
     ref = run(ref_model, ids, labels)
     eager = run(pm, ids, labels)
