@@ -1,24 +1,43 @@
 """Fused linear cross-entropy through the bridge: ``forge_pallas.fused_linear_ce`` on torch tensors.
 
 One bridged call runs the whole loss (both passes over the vocabulary, the XLA matmuls and the
-Pallas kernels) and, when autograd wants them, the gradients; the backward is a second small
-call that scales them by the loss's cotangent. Which gradients to compute is decided here from
+Pallas kernels) and, when autograd wants them, the gradients; which ones is decided from
 ``requires_grad`` and passed as a static argument, so a frozen lm_head never pays for grad_W.
+The autograd side is not the bridge's generic Function (its backward would be a second JAX call
+building scaled copies of grad_W while the forward's are alive: 2x grad_W at the peak) but
+``forge._precomputed``, shared with the Triton backend: the call runs bare through the kernel's
+jitted forward, its gradients come back as torch tensors (zero copy) and the backward scales
+them in place. That is safe: they are outputs of a finished JAX computation, fresh buffers that
+JAX holds no other use of once the arrays are dropped (nothing is donated or forwarded), and
+``torch.from_dlpack`` orders torch's stream after JAX's (see bridge/core.py's docstring).
 """
 from __future__ import annotations
 
 import torch
 
+from forge import _precomputed
 from forge.spec import fused_linear_ce as spec
 from forge_pallas import fused_linear_ce as _k
 
 from . import core
 
-# inputs: hidden, weight, labels, div[, bias]; the kernel needs only its residuals in backward
-FLCE = core.KernelDef("fused_linear_ce", fwd=_k.flce_fwd, bwd=_k.flce_bwd, diff=(0, 1),
-                      cache_inputs=(1,), save=())
-FLCE_BIAS = core.KernelDef("fused_linear_ce_bias", fwd=_k.flce_fwd, bwd=_k.flce_bwd, diff=(0, 1, 4),
-                           cache_inputs=(1, 4), save=())
+# XLA keeps more scratch live around the tiled loop than the Triton path (measured on the H200:
+# 814 MiB extra at 4096 x 896 x 151936 with the Triton path's 1/16), so its tiles are narrower
+LOGITS_FRACTION = 1 / 32
+
+# inputs: hidden, weight, labels, div[, bias]; weight and bias views are cached (hidden, labels
+# and div are fresh each call: bridge/core.py's rule 1). Only its jitted forward is used
+# (``fwd_fn``), never ``core.apply``: forge._precomputed differentiates it, so there is no bwd.
+FLCE = core.KernelDef("fused_linear_ce", fwd=_k.flce_fwd, bwd=None, diff=(), cache_inputs=(1, 4))
+
+
+def _compute(tensors, static, need_h, need_w, need_b):
+    """(loss, grad_h fp32 | None, grad_W | None, grad_b | None) as torch tensors."""
+    skey = tuple(dict(static, grads_for=(need_h, need_w, need_b)).items())
+    (loss,), res = FLCE.fwd_fn(skey)(*core._inputs_to_jax(FLCE, tensors))
+    # every output through torch.from_dlpack before returning (bridge/core.py's rule 2)
+    loss, it = core.to_torch(loss), iter([core.to_torch(r) for r in res])
+    return (loss, *(next(it) if want else None for want in (need_h, need_w, need_b)))
 
 
 def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
@@ -26,21 +45,21 @@ def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, red
                     tile_vocab=None):
     """Pallas fused linear cross-entropy with the signature of
     ``forge.spec.fused_linear_ce.reference``; ``tile_vocab`` (extra, optional) fixes the width of
-    the vocabulary tiles, else they are sized from ``forge_pallas.fused_linear_ce.TILE_BUDGET_BYTES``."""
+    the vocabulary tiles, else they are sized by ``forge.spec.fused_linear_ce.tile_width``."""
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
     if tile_vocab is not None and (not isinstance(tile_vocab, int) or tile_vocab < 1):
         raise ValueError(f"tile_vocab must be a positive int, got {tile_vocab!r}")
+    tile_vocab = spec.tile_width(hidden.shape[0], weight.shape[0], tile_vocab,
+                                 logits_fraction=LOGITS_FRACTION)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     div = spec.divisor(labels, ignore_index, reduction, num_items_in_batch, acc, hidden.device)
-    grad = torch.is_grad_enabled()
-    grads_for = (grad and hidden.requires_grad, grad and weight.requires_grad,
-                 grad and bias is not None and bias.requires_grad)
     static = dict(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
-                  label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                  tile_vocab=tile_vocab, grads_for=grads_for,
-                  h_dtype=str(hidden.dtype).removeprefix("torch."))
-    if bias is None:
-        return core.apply(FLCE, hidden, weight, labels, div, **static)
-    return core.apply(FLCE_BIAS, hidden, weight, labels, div, bias, **static)
+                  label_smoothing=float(label_smoothing), z_loss=float(z_loss), tile_vocab=tile_vocab)
+    tensors = (hidden, weight, labels, div) + (() if bias is None else (bias,))
+
+    def compute(need_h, need_w, need_b):
+        return _compute(tensors, static, need_h, need_w, need_b)
+
+    return _precomputed.apply(compute, hidden, weight, bias)

@@ -11,7 +11,8 @@ walked in tiles of Vc columns over all rows, so the (N, V) logits never exist.
 
 Full tiles run in a ``fori_loop`` (one compiled body whatever V is); a ragged last tile runs
 once after it with its own static width. Gradients come out of the forward unscaled (the loss
-is a scalar); ``flce_bwd`` multiplies them by the loss's cotangent. Pure JAX, no torch.
+is a scalar); the caller scales them by the loss's cotangent (bridge/fused_linear_ce.py hands
+them to forge._precomputed, which does it in place on the torch side). Pure JAX, no torch.
 """
 from __future__ import annotations
 
@@ -23,11 +24,7 @@ from jax.experimental import pallas as pl
 
 from . import _common as C
 
-# Tile width: the (N, Vc) fp32 logits tile within the budget (XLA adds dL/dz, half of it), but at
-# least TILE_MIN_COLS columns: narrower, the per-tile passes over the (N, H) fp32 grad_h dominate.
-TILE_BUDGET_BYTES = 128 * 2**20
-TILE_MIN_COLS = 4096
-_TILE_ALIGN = 256
+# The tile width comes from the caller (bridge/fused_linear_ce.py sizes it with the spec's rule)
 _BLOCK_M = 4  # rows per program
 _BLOCK_N = 1024  # columns per step
 
@@ -151,12 +148,9 @@ def _grad(z, b, yl, lse, w, dtype, *, softcap, **coefs):
                    out_shape=jax.ShapeDtypeStruct((n, vc), dtype))(z, b, yl, lse, w)
 
 
-def tile_width(n, v, tile_vocab=None):
-    if tile_vocab is None:
-        cap = max(TILE_MIN_COLS, TILE_BUDGET_BYTES // (4 * max(n, 1)) // _TILE_ALIGN * _TILE_ALIGN)
-        count = C.cdiv(v, cap)
-        tile_vocab = C.cdiv(C.cdiv(v, count), _TILE_ALIGN) * _TILE_ALIGN
-    return min(tile_vocab, v)
+def tile_width(n, v, tile_vocab):
+    del n
+    return max(1, min(int(tile_vocab), v))
 
 
 def _over_tiles(v, vc, step, carry):
@@ -170,14 +164,15 @@ def _over_tiles(v, vc, step, carry):
 
 
 def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, label_smoothing,
-             z_loss, tile_vocab, grads_for, h_dtype=None):
+             z_loss, tile_vocab, grads_for):
     """hidden (N, H), weight (V, H), labels (N,) int, div () float, bias (V,) | None ->
     ((loss (),), residuals): the wanted ones of grad_h (N, H) fp32, grad_W (V, H), grad_b (V,)."""
-    del h_dtype  # for flce_bwd
     n, hd = hidden.shape
     v = weight.shape[0]
     dt = hidden.dtype
     acc = C.acc_dtype(dt)
+    # fp32 inputs: full fp32 products (XLA defaults to tf32 on the GPU); bf16 keeps the default
+    prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     vc = tile_width(n, v, tile_vocab)
     eps = float(label_smoothing)
     labels = labels.astype(jnp.int32)
@@ -185,7 +180,7 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
 
     def logits(v0, width):
         wt = jax.lax.dynamic_slice_in_dim(weight, v0, width)  # (Vc, H)
-        z = jnp.dot(hidden, wt.T, preferred_element_type=acc)  # (N, Vc)
+        z = jnp.dot(hidden, wt.T, preferred_element_type=acc, precision=prec)  # (N, Vc)
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, v0, width)
         return z, b, wt
 
@@ -211,10 +206,10 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
         z, b, wt = logits(v0, width)
         g = _grad(z, b, labels - v0, lse, w, dt, softcap=softcap, **coefs)  # (N, Vc)
         if need_w:
-            gw_tile = jnp.dot(g.T, hidden, preferred_element_type=acc).astype(dt)  # (Vc, H)
+            gw_tile = jnp.dot(g.T, hidden, preferred_element_type=acc, precision=prec).astype(dt)  # (Vc, H)
             gw = jax.lax.dynamic_update_slice_in_dim(gw, gw_tile, v0, 0)
         if need_h:
-            gh = gh + jnp.dot(g, wt, preferred_element_type=acc)
+            gh = gh + jnp.dot(g, wt, preferred_element_type=acc, precision=prec)
         if need_b:
             gb_tile = jnp.sum(g.astype(acc), 0).astype(dt)  # (Vc,)
             gb = jax.lax.dynamic_update_slice_in_dim(gb, gb_tile, v0, 0)
@@ -225,22 +220,3 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
             jnp.zeros((v,), dt) if need_b else None)
     grads = _over_tiles(v, vc, pass2, init)
     return (loss,), tuple(x for x in grads if x is not None)  # the bridge keeps arrays only
-
-
-def flce_bwd(inputs, res, grads, *, ignore_index, softcap, label_smoothing, z_loss, tile_vocab,
-             grads_for, h_dtype=None):
-    """Scale the forward's gradients by the loss's cotangent (fp32 math, one rounding each).
-    Returns one gradient (or None) per input: hidden, weight, labels, div[, bias]."""
-    del ignore_index, softcap, label_smoothing, z_loss, tile_vocab
-    (g,) = grads
-    it = iter(res)
-    gh, gw, gb = (next(it) if wanted else None for wanted in grads_for)
-
-    def scale(x, dtype):
-        if x is None:
-            return None
-        a = C.acc_dtype(x.dtype)
-        return (x.astype(a) * g.astype(a)).astype(dtype)
-
-    out = (scale(gh, h_dtype), scale(gw, None if gw is None else gw.dtype), None, None)
-    return out + ((scale(gb, None if gb is None else gb.dtype),) if len(inputs) > 4 else ())

@@ -14,9 +14,9 @@ at hidden 896):
 
 Four matmuls (less one tile's) instead of eager's three, and an (N, Vc) fp32 tile plus its
 bf16 dL/dz instead of the logits. The loss is a scalar, so the gradients are computed in the
-forward and the backward only scales them by grad_output (in place: see
-``_FusedLinearCE.backward``). Nothing reads a value back to the host: the mean's divisor is a
-device tensor the kernels load.
+forward and the backward only scales them by grad_output, in place (forge/_precomputed.py: the
+autograd.Function both backends share; ``_scale_`` is its scaling here, one fused pass). Nothing
+reads a value back to the host: the mean's divisor is a device tensor the kernels load.
 """
 from __future__ import annotations
 
@@ -24,15 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from forge import _precomputed
 from forge.spec import fused_linear_ce as spec
 
 from . import _common
 
-# Tile width: the (N, Vc) fp32 logits tile within the budget (dL/dz adds half of it), but at
-# least TILE_MIN_COLS columns: narrower, the per-tile passes over the (N, H) fp32 grad_h dominate.
-TILE_BUDGET_BYTES = 128 * 2**20
-TILE_MIN_COLS = 4096
-_TILE_ALIGN = 256  # tile widths stay multiples of this (matmul-friendly)
+# Tile width: forge.spec.fused_linear_ce.tile_width (dL/dz adds half of the fp32 tile).
+LOGITS_FRACTION = 1 / 16
 _BLOCK = 2048  # columns per kernel step
 
 
@@ -140,8 +138,10 @@ def _flce_scale_kernel(g_ptr, c_ptr, numel, BLOCK: tl.constexpr):
 
 
 def _scale_(g, c):
-    if _common.INTERPRET:  # see the fp32 -> bf16 note in flce_forward
-        return g.copy_(g.to(c.dtype) * c)
+    """g *= c in place for forge._precomputed: one pass over g (read + write), where torch
+    needs a chunked round trip through c's dtype for a one-rounding result (5x the traffic)."""
+    if _common.INTERPRET or not g.is_contiguous():  # see the fp32 -> bf16 note in flce_forward
+        return _precomputed.scale_(g, c)
     if g.numel():
         block = 4096
         _flce_scale_kernel[(triton.cdiv(g.numel(), block),)](g, c.contiguous(), g.numel(), BLOCK=block)
@@ -190,10 +190,7 @@ def _addmm_f32_(acc, a, b):
 def _tiles(n, v, tile_vocab):
     """Tile boundaries over the vocabulary: ``tile_vocab`` columns, or as wide as the memory
     budget allows, balanced so the last tile is not a sliver."""
-    if tile_vocab is None:
-        cap = max(TILE_MIN_COLS, TILE_BUDGET_BYTES // (4 * max(n, 1)) // _TILE_ALIGN * _TILE_ALIGN)
-        count = triton.cdiv(v, cap)
-        tile_vocab = triton.cdiv(triton.cdiv(v, count), _TILE_ALIGN) * _TILE_ALIGN
+    tile_vocab = spec.tile_width(n, v, tile_vocab, logits_fraction=LOGITS_FRACTION)
     return [(v0, min(v0 + tile_vocab, v)) for v0 in range(0, v, tile_vocab)]
 
 
@@ -270,40 +267,12 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
     return loss, gh, gw, gb
 
 
-class _FusedLinearCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, bias, div, opts):
-        # needs_input_grad ignores no_grad mode: the caller's grad mode is in opts
-        need = [n and opts["grad_enabled"] for n in ctx.needs_input_grad]
-        kw = {k: v for k, v in opts.items() if k != "grad_enabled"}
-        loss, gh, gw, gb = flce_forward(hidden, weight, labels, bias, div, **kw, need_h=need[0],
-                                        need_w=need[1], need_b=bias is not None and need[3])
-        ctx.grads = (gh, gw, gb)
-        ctx.h_dtype = hidden.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if ctx.grads is None:
-            raise RuntimeError("fused_linear_ce precomputes its gradients in the forward and scales "
-                               "them in place: its backward can run only once per forward")
-        gh, gw, gb = ctx.grads
-        ctx.grads = None
-        # In place: a second (grad_W-sized) buffer here would double the op's peak memory.
-        if gh is not None:
-            gh = gh.mul_(grad_out).to(ctx.h_dtype)
-        for g in (gw, gb):
-            if g is not None:
-                _scale_(g, grad_out)
-        return gh, gw, None, gb, None, None
-
-
 def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
                     num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0,
                     tile_vocab=None):
     """Triton fused linear cross-entropy with the signature of
     ``forge.spec.fused_linear_ce.reference``; ``tile_vocab`` (extra, optional) fixes the width of
-    the vocabulary tiles, else they are sized from ``TILE_BUDGET_BYTES``."""
+    the vocabulary tiles, else they are sized by ``forge.spec.fused_linear_ce.tile_width``."""
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
@@ -312,6 +281,11 @@ def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, red
         raise ValueError(f"tile_vocab must be a positive int, got {tile_vocab!r}")
     acc_t = _common.acc_torch(hidden.dtype)
     div = spec.divisor(labels, ignore_index, reduction, num_items_in_batch, acc_t, hidden.device)
-    opts = dict(ignore_index=ignore_index, softcap=softcap, label_smoothing=float(label_smoothing),
-                z_loss=float(z_loss), tile_vocab=tile_vocab, grad_enabled=torch.is_grad_enabled())
-    return _FusedLinearCE.apply(hidden, weight, labels, bias, div, opts)
+
+    def compute(need_h, need_w, need_b):
+        return flce_forward(hidden, weight, labels, bias, div, ignore_index=ignore_index,
+                            softcap=softcap, label_smoothing=float(label_smoothing),
+                            z_loss=float(z_loss), tile_vocab=tile_vocab, need_h=need_h,
+                            need_w=need_w, need_b=need_b)
+
+    return _precomputed.apply(compute, hidden, weight, bias, scale=_scale_)

@@ -134,3 +134,23 @@ def reductions(hidden, weight, *_a, **_k) -> dict:
     n, h = hidden.shape
     v = weight.shape[0]
     return {"loss": n + h + v, "hidden": h + v, "weight": n + h + v, "bias": n + v}
+
+
+# Vocabulary tiles, shared by both backends. The (N, Vc) fp32 logits tile is the kernels' main
+# scratch; it is sized as a fraction of the full fp32 logits eager would hold (so the saving
+# scales with the problem: 1/fraction of eager's logits), at least TILE_MIN_COLS columns
+# (narrower, the per-tile passes over the (N, H) fp32 grad_h dominate), and at least
+# TILE_MIN_BYTES (wide matmuls at small N). Widths stay multiples of TILE_ALIGN and the tiles
+# are balanced so the last one is not a sliver.
+TILE_MIN_COLS = 4096
+TILE_MIN_BYTES = 128 * 2**20
+TILE_ALIGN = 256
+
+
+def tile_width(n: int, v: int, tile_vocab: int | None = None, *, logits_fraction: float = 1 / 16) -> int:
+    if tile_vocab is None:
+        budget = max(TILE_MIN_BYTES, int(n * v * 4 * logits_fraction))
+        cap = max(TILE_MIN_COLS, budget // (4 * max(n, 1)) // TILE_ALIGN * TILE_ALIGN)
+        count = -(-v // cap)
+        tile_vocab = -(-(-(-v // count)) // TILE_ALIGN) * TILE_ALIGN
+    return max(1, min(tile_vocab, v))
