@@ -39,11 +39,11 @@ def write_results(stem: str, rows: list[dict], extra: dict | None = None) -> tup
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     dev = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().split()[-1].lower()
-    base = RESULTS / f"{stem}-{dev}-{tag}"
+    base = f"{stem}-{dev}-{tag}"  # stems hold dots (qwen2.5-0.5b): add suffixes, never replace
     meta = {"environment": environment(), **(extra or {}), "rows": rows}
-    jpath = base.with_suffix(".json")
+    jpath = RESULTS / (base + ".json")
     jpath.write_text(json.dumps(meta, indent=2, default=str))
-    cpath = base.with_suffix(".csv")
+    cpath = RESULTS / (base + ".csv")
     cols: list[str] = []
     for r in rows:
         cols += [c for c in r if c not in cols]
