@@ -49,8 +49,6 @@ def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, red
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
-    if tile_vocab is not None and (not isinstance(tile_vocab, int) or tile_vocab < 1):
-        raise ValueError(f"tile_vocab must be a positive int, got {tile_vocab!r}")
     tile_vocab = spec.tile_width(hidden.shape[0], weight.shape[0], tile_vocab,
                                  logits_fraction=LOGITS_FRACTION)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32

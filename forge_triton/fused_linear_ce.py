@@ -277,8 +277,6 @@ def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, red
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
     _common.check_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
-    if tile_vocab is not None and (not isinstance(tile_vocab, int) or tile_vocab < 1):
-        raise ValueError(f"tile_vocab must be a positive int, got {tile_vocab!r}")
     acc_t = _common.acc_torch(hidden.dtype)
     div = spec.divisor(labels, ignore_index, reduction, num_items_in_batch, acc_t, hidden.device)
 

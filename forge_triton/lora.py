@@ -24,6 +24,7 @@ from forge.spec import lora_mlp as mlp_spec
 from forge.spec import lora_qkv as qkv_spec
 
 from . import _common
+from ._common import cast  # rounds bf16 to nearest even in the interpreter too
 from .glu import _act_and_grad
 
 BLOCK_M = 64
@@ -33,18 +34,6 @@ BLOCK_N = 128
 def _block_k(r: int) -> int:
     # tl.dot needs K >= 16; ranks above 64 loop over K
     return max(16, min(64, triton.next_power_of_2(r)))
-
-
-@triton.jit
-def _cast(v, dt: tl.constexpr, RTNE: tl.constexpr):
-    """v (fp32) rounded to dt. Triton's interpreter truncates fp32 -> bf16 (round toward zero,
-    measured: half the values differ from torch's cast); with RTNE it rounds to nearest-even by
-    hand first, so the cast is exact. Compiled kernels round to nearest themselves (RTNE off)."""
-    if RTNE:
-        b = v.to(tl.uint32, bitcast=True)
-        b = (b + (((b >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
-        v = b.to(tl.float32, bitcast=True)
-    return v.to(dt)
 
 
 @triton.jit
@@ -73,7 +62,7 @@ def _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
 @triton.jit
 def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_pk, s_qk, s_qn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RTNE: tl.constexpr):
+                     ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
@@ -81,7 +70,7 @@ def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     ptrs = out_ptr + rm[:, None] * s_om + rn[None, :] * s_on
     base = tl.load(ptrs, mask=mask, other=0.0).to(ACC)
-    tl.store(ptrs, _cast(base + scale * lo, out_ptr.dtype.element_ty, RTNE), mask=mask)
+    tl.store(ptrs, cast(base + scale * lo, out_ptr.dtype.element_ty), mask=mask)
 
 
 # g, u (M, I) hold the base GEMMs x W^T; add each LoRA term, store the full pre-activations back
@@ -91,8 +80,7 @@ def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_
 def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G, K_U, scale_g, scale_u,
                          s_xm, s_xk, s_bgk, s_bgn, s_buk, s_bun,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         RTNE: tl.constexpr):
+                         GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     lg = _lowrank_tile(xa_ptr, bg_ptr, rm, rn, M, N, K_G, s_xm, s_xk, s_bgk, s_bgn,
@@ -103,12 +91,12 @@ def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G,
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None] * N + rn[None, :]  # g, u, h are contiguous (M, N)
     dt = h_ptr.dtype.element_ty
-    g = _cast(tl.load(g_ptr + offs, mask=mask, other=0.0).to(ACC) + scale_g * lg, dt, RTNE)
-    u = _cast(tl.load(u_ptr + offs, mask=mask, other=0.0).to(ACC) + scale_u * lu, dt, RTNE)
+    g = cast(tl.load(g_ptr + offs, mask=mask, other=0.0).to(ACC) + scale_g * lg, dt)
+    u = cast(tl.load(u_ptr + offs, mask=mask, other=0.0).to(ACC) + scale_u * lu, dt)
     tl.store(g_ptr + offs, g, mask=mask)
     tl.store(u_ptr + offs, u, mask=mask)
     a, _ = _act_and_grad(g.to(ACC), GELU)
-    tl.store(h_ptr + offs, _cast(_cast(a, dt, RTNE).to(ACC) * u.to(ACC), dt, RTNE), mask=mask)
+    tl.store(h_ptr + offs, cast(cast(a, dt).to(ACC) * u.to(ACC), dt), mask=mask)
 
 
 # dh = dh_base + dha @ A_down with dh_base = dy W_down in dh_ptr and dha = scale_down * dy B_down;
@@ -118,8 +106,7 @@ def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G,
 def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, M, N, K,
                          s_dm, s_dk, s_ak, s_an,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         RTNE: tl.constexpr):
+                         GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = _lowrank_tile(dha_ptr, ad_ptr, rm, rn, M, N, K, s_dm, s_dk, s_ak, s_an,
@@ -131,16 +118,15 @@ def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, 
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(ACC)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(ACC)
     a, da = _act_and_grad(g, GELU)
-    tl.store(dg_ptr + offs, _cast(dh * u * da, dt, RTNE), mask=mask)
-    tl.store(du_ptr + offs, _cast(dh * a, dt, RTNE), mask=mask)
-    tl.store(dh_ptr + offs, _cast(_cast(a, dt, RTNE).to(ACC) * u, dt, RTNE), mask=mask)
+    tl.store(dg_ptr + offs, cast(dh * u * da, dt), mask=mask)
+    tl.store(du_ptr + offs, cast(dh * a, dt), mask=mask)
+    tl.store(dh_ptr + offs, cast(cast(a, dt).to(ACC) * u, dt), mask=mask)
 
 
 def _consts(ldt: torch.dtype, r: int, out_dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(r),
                 ACC=_common.acc(out_dtype if out_dtype == torch.float64 else ldt),
-                UPCAST=_common.dot_upcast(), IEEE=ldt == torch.float32,
-                RTNE=_common.INTERPRET and out_dtype == torch.bfloat16)
+                UPCAST=_common.dot_upcast(), IEEE=ldt == torch.float32)
 
 
 def _grid(m, n):

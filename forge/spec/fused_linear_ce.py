@@ -148,6 +148,8 @@ TILE_ALIGN = 256
 
 
 def tile_width(n: int, v: int, tile_vocab: int | None = None, *, logits_fraction: float = 1 / 16) -> int:
+    if tile_vocab is not None and (not isinstance(tile_vocab, int) or isinstance(tile_vocab, bool) or tile_vocab < 1):
+        raise ValueError(f"tile_vocab must be a positive int, got {tile_vocab!r}")
     if tile_vocab is None:
         budget = max(TILE_MIN_BYTES, int(n * v * 4 * logits_fraction))
         cap = max(TILE_MIN_COLS, budget // (4 * max(n, 1)) // TILE_ALIGN * TILE_ALIGN)
