@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One batched GPU session (device tool): the gpu test files given in $TESTS, then benchmark
-# commands given one per line in $BENCHES. Logs and result files land in $OUT.
+# One batched GPU session (device tool): the test files given in $TESTS (PYTEST_ARGS="-m gpu"
+# for the real shapes only), then benchmark commands given one per line in $BENCHES. Logs and
+# result files land in $OUT (at most 8 files come back: keep the lists short).
 set -u
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 FORGE_BENCH_RESULTS=$OUT
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -9,10 +10,14 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-if [ -n "${TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest $TESTS -q -p no:cacheprovider --timeout 240 -rfE ${PYTEST_ARGS:-} > $OUT/pytest.log 2>&1
-  echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" $OUT/pytest.log | tail -25
-fi
+# each test file gets its own time limit, so one slow file cannot starve the others
+for t in ${TESTS:-}; do
+  name=$(basename "$t" .py)
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest "$t" -q -p no:cacheprovider --timeout 240 -rfE --tb=short \
+    ${PYTEST_ARGS:-} > "$OUT/pytest-$name.log" 2>&1
+  echo "$t: rc=$? $(grep -E '(passed|failed)' "$OUT/pytest-$name.log" | tail -1)"
+  grep -E "^FAILED|^ERROR" "$OUT/pytest-$name.log" | head -10
+done
 while IFS= read -r cmd; do
   [ -z "$cmd" ] && continue
   echo "== $cmd"
