@@ -48,10 +48,3 @@ def _reinterpret_triton_language() -> None:
                 if new is None:
                     new = done[id(val)] = InterpretedFunction(val.fn)
                 setattr(mod, attr, new)
-
-
-def kernel_device_ok(t) -> bool:
-    """A tensor the Triton path can take: on CUDA when compiled, on CPU when interpreted."""
-    if triton_interpreted():
-        return t.device.type == "cpu"
-    return t.device.type == "cuda"
