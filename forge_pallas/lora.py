@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import _common as C
+from .glu import _act as _glu_act  # one activation (and derivative) for both GLU kernels
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -107,7 +108,7 @@ def _lora_glu_fwd_kernel(g_ref, u_ref, xa_ref, bg_ref, bu_ref, go_ref, uo_ref, h
     u = C.load(u_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
     g = _round(g + scale_g * _lowrank(xa_ref, bg_ref, rs, cs, rmask, cmask, 0, rp, acc), dt, acc)
     u = _round(u + scale_u * _lowrank(xa_ref, bu_ref, rs, cs, rmask, cmask, rp, rp, acc), dt, acc)
-    a, _ = _act(g, gelu)
+    a, _ = _glu_act(g, "geglu" if gelu else "swiglu")
     C.store(go_ref.at[rs, cs], g.astype(dt), mask=mask)
     C.store(uo_ref.at[rs, cs], u.astype(dt), mask=mask)
     C.store(h_ref.at[rs, cs], (_round(a, dt, acc) * u).astype(dt), mask=mask)
@@ -124,21 +125,10 @@ def _lora_glu_bwd_kernel(dh_ref, g_ref, u_ref, dha_ref, adt_ref, dg_ref, du_ref,
     dh = dh + _lowrank(dha_ref, adt_ref, rs, cs, rmask, cmask, 0, rp, acc)
     g = C.load(g_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
     u = C.load(u_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
-    a, da = _act(g, gelu)
+    a, da = _glu_act(g, "geglu" if gelu else "swiglu")
     C.store(dg_ref.at[rs, cs], (dh * u * da).astype(dt), mask=mask)
     C.store(du_ref.at[rs, cs], (dh * a).astype(dt), mask=mask)
     C.store(h_ref.at[rs, cs], (_round(a, dt, acc) * u).astype(dt), mask=mask)
-
-
-def _act(g, gelu):
-    """(act(g), act'(g)); tanh-GELU via sigmoid(2z) = 0.5 (1 + tanh z), no cancellation for g << 0."""
-    if not gelu:
-        s = 1.0 / (1.0 + jnp.exp(-g))
-        return g * s, s * (1.0 + g * (1.0 - s))
-    k, c = 0.7978845608028654, 0.044715
-    z = k * (g + c * g * g * g)
-    p = 1.0 / (1.0 + jnp.exp(-2.0 * z))
-    return g * p, p + 2.0 * g * p * (1.0 - p) * k * (1.0 + 3.0 * c * g * g)
 
 
 def _pad_rows(a, rp):  # (r, H) -> (RP, H)

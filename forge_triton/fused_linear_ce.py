@@ -123,7 +123,7 @@ def _flce_grad_kernel(
         g = p_coef * tl.exp(z - lse) - w * (eps_over_v + tl.where(cols == y - v0, one_minus_eps, 0.0))
         if SOFTCAP:
             g = g * (1.0 - th * th)
-        tl.store(g_ptr + row * stride_g + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
+        tl.store(g_ptr + row * stride_g + cols, _common.cast(g, g_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -134,13 +134,13 @@ def _flce_scale_kernel(g_ptr, c_ptr, numel, BLOCK: tl.constexpr):
     mask = offs < numel
     c = tl.load(c_ptr)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    tl.store(g_ptr + offs, (g.to(c.dtype) * c).to(g_ptr.dtype.element_ty), mask=mask)
+    tl.store(g_ptr + offs, _common.cast(g.to(c.dtype) * c, g_ptr.dtype.element_ty), mask=mask)
 
 
 def _scale_(g, c):
     """g *= c in place for forge._precomputed: one pass over g (read + write), where torch
     needs a chunked round trip through c's dtype for a one-rounding result (5x the traffic)."""
-    if _common.INTERPRET or not g.is_contiguous():  # see the fp32 -> bf16 note in flce_forward
+    if not g.is_contiguous():
         return _precomputed.scale_(g, c)
     if g.numel():
         block = 4096
@@ -236,11 +236,8 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
     for v0, v1 in reversed(tiles):
         if v1 != v:
             z = _mm_f32(hidden, weight[v0:v1].t())  # (N, Vc) acc dtype
-        if z.dtype == dt or _common.INTERPRET:
-            # in place (each element is read and written by the same thread); the interpreter
-            # truncates fp32 -> bf16 stores (GPUs round to nearest), so there it writes fp32
-            # and torch rounds
-            g = z
+        if z.dtype == dt:
+            g = z  # in place: each element is read and written by the same thread
         else:
             # not over z's own bytes: without a barrier, one warp's bf16 store could land on fp32
             # columns another warp has not loaded yet
@@ -252,8 +249,6 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
             )
         else:
             g.zero_()
-        if g.dtype != dt:
-            g = g.to(dt)
         if need_w:
             if g.dtype == gw.dtype == acc_t:
                 torch.mm(g.t(), hidden, out=gw[v0:v1])  # (Vc, H)
