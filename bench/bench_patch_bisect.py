@@ -68,6 +68,7 @@ def _step_fn(model, mode, ids):
 
 
 def _time(step, steps, warmup):
+    """Step times (ms) of ``steps`` steps after ``warmup`` untimed ones."""
     for _ in range(warmup):
         step()
     bc.sync()
@@ -77,14 +78,24 @@ def _time(step, steps, warmup):
         step()
         bc.sync()
         ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+    return ts
+
+
+def _reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(row):
+    if torch.cuda.is_available():
+        row["peak_MiB"] = max(row.get("peak_MiB") or 0, torch.cuda.max_memory_allocated() / 2**20)
+    row["jax_peak_MiB"] = _jax_peak_mib()
 
 
 def _run(name, model, a, ids, compile_=False):
     row = {"variant": name}
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
     target = model
     if compile_:
         torch._dynamo.reset()
@@ -95,11 +106,45 @@ def _run(name, model, a, ids, compile_=False):
         bc.sync()
         row["compile_s"] = time.perf_counter() - t0
         row["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
-    row["step_ms"] = _time(_step_fn(target, a.mode, ids), a.steps, a.warmup)
-    if torch.cuda.is_available():
-        row["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
-    row["jax_peak_MiB"] = _jax_peak_mib()
+    row["step_ms"] = statistics.median(_time(_step_fn(target, a.mode, ids), a.steps, a.warmup))
+    _peak(row)
     return row
+
+
+def _rounds(variants, model, a, ids):
+    """Time the patchable variants (eager, each kernel, all) in ``a.rounds`` rotations, patching
+    and unpatching each time: this host's step time drifts by tens of percent over minutes and
+    between processes, and a rotation spreads the drift over every variant alike. Step time is
+    the median over all timed steps; the note gives the spread of the per-round medians."""
+    rows = {label: {"variant": label} for label, _ in variants}
+    times = {label: [] for label, _ in variants}
+    per_round = {label: [] for label, _ in variants}
+    for r in bc.progress(range(a.rounds), "rounds"):
+        for label, ks in variants:
+            row = rows[label]
+            if ks is not False:
+                forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements, kernels=ks)
+                row["note"] = f"patched {dict(model._forge_patched_counts)}"
+            _reset_peak()
+            ts = _time(_step_fn(model, a.mode, ids), a.steps, a.warmup if r == 0 else 1)
+            _peak(row)
+            times[label] += ts
+            per_round[label].append(statistics.median(ts))
+            if ks is None and a.guard_stats and r == 0:
+                gs = model._forge_guard_stats
+                gs.reset()
+                _step_fn(model, a.mode, ids)()
+                row["guard"] = gs.as_dict()
+                print("guard stats (one step):", gs.as_dict())
+            if ks is not False:
+                forge.unpatch(model)
+    for label, row in rows.items():
+        row["step_ms"] = statistics.median(times[label])
+        spread = f"round medians {min(per_round[label]):.1f}-{max(per_round[label]):.1f} ms"
+        row["note"] = f"{row.get('note', '')} {spread}".strip()
+        if row.get("guard"):
+            row["note"] += f" guard {row.pop('guard')}"
+    return list(rows.values())
 
 
 def _plot(rows, path, title):
@@ -137,12 +182,13 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="also torch.compile(model) and forge under compile")
     p.add_argument("--liger", action="store_true", help="also Liger-Kernel (runs last: it patches globally)")
     p.add_argument("--no-single", action="store_true", help="skip the one-kernel-at-a-time variants")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
+    p.add_argument("--rounds", type=int, default=3, help="rotations over the patchable variants")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU, a few seconds")
     a = p.parse_args(argv)
     if a.quick:
-        a.model, a.batch, a.seq_len, a.steps, a.warmup = "tiny", 1, 16, 1, 1
+        a.model, a.batch, a.seq_len, a.steps, a.warmup, a.rounds = "tiny", 1, 16, 1, 1, 1
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build(a.model, dtype, dev)
@@ -160,20 +206,10 @@ def main(argv=None):
     if a.lora and a.mode == "train":
         keys += ["lora_qkv", "lora_mlp"]
     base = "peft (eager)" if a.lora else "eager"
-    rows = [_run(base, model, a, ids)]
-    variants = ([] if a.no_single else [(k, [k]) for k in keys]) + [("all", None)]
-    for label, ks in bc.progress(variants, "bisect"):
-        forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements, kernels=ks)
-        row = _run(f"forge {a.backend}: {label}", model, a, ids)
-        row["note"] = f"patched {dict(model._forge_patched_counts)}"
-        if ks is None and a.guard_stats:
-            gs = model._forge_guard_stats
-            gs.reset()
-            _step_fn(model, a.mode, ids)()
-            row["note"] += f" guard {gs.as_dict()}"
-            print("guard stats (one step):", gs.as_dict())
-        forge.unpatch(model)
-        rows.append(row)
+    # False: unpatched; a list: those kernels alone; None: every kernel
+    variants = [(base, False)] + ([] if a.no_single else [(f"forge {a.backend}: {k}", [k]) for k in keys])
+    variants.append((f"forge {a.backend}: all", None))
+    rows = _rounds(variants, model, a, ids)
     if a.compile and dev.type == "cuda":
         rows.append(_run("torch.compile", model, a, ids, compile_=True))
         forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements)
@@ -183,6 +219,8 @@ def main(argv=None):
             rows.append({"variant": f"forge {a.backend} + torch.compile", "note": f"failed: {type(e).__name__}: {e}"[:300]})
         forge.unpatch(model)
         torch._dynamo.reset()
+    if a.compile or a.liger:  # drift check: eager once more, after the long compile runs
+        rows.append(_run(f"{base} (again)", model, a, ids))
     if a.liger and dev.type == "cuda":
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance

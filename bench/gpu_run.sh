@@ -10,16 +10,21 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-# each test file gets its own time limit, so one slow file cannot starve the others
-for t in ${TESTS:-}; do
-  name=$(basename "$t" .py)
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest "$t" -q -p no:cacheprovider --timeout 240 -rfE --tb=short \
-    ${PYTEST_ARGS:-} > "$OUT/pytest-$name.log" 2>&1
-  echo "$t: rc=$? $(grep -E '(passed|failed)' "$OUT/pytest-$name.log" | tail -1)"
+python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout 240" || PT=""
+# one test file per line of $TESTS, optionally followed by its own pytest arguments (-k ...);
+# each line gets its own time limit, so one slow file cannot starve the others
+i=0
+while read -r t extra; do
+  [ -z "$t" ] && continue
+  i=$((i + 1))
+  name=$(basename "$t" .py)-$i
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest "$t" -q -p no:cacheprovider $PT -rfE --tb=short \
+    ${PYTEST_ARGS:-} $extra > "$OUT/pytest-$name.log" 2>&1 < /dev/null
+  echo "$t $extra: rc=$? $(grep -E '(passed|failed|skipped)' "$OUT/pytest-$name.log" | tail -1)"
   grep -E "^FAILED|^ERROR" "$OUT/pytest-$name.log" | head -10
-done
+done <<< "${TESTS:-}"
 while IFS= read -r cmd; do
   [ -z "$cmd" ] && continue
   echo "== $cmd"
-  timeout "${BENCH_TIMEOUT:-150}" bash -c "$cmd" 2>&1 | grep -v "it/s\]" | tail -40
+  timeout "${BENCH_TIMEOUT:-150}" bash -c "$cmd" 2>&1 < /dev/null | grep -v "it/s\]" | tail -40
 done <<< "${BENCHES:-}"

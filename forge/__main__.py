@@ -52,7 +52,10 @@ def build_model(model_type: str, shape: str = "cpu", dtype=torch.float32, device
     from transformers import AutoModelForCausalLM
 
     cfg = model_config(model_type, shape, **overrides)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    # random init where the model will run: on a GPU that is seconds for the 0.5B shape, where
+    # the CPU takes ~15 s (the GPU tests build a dozen of them)
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="forge-demo-") as d:

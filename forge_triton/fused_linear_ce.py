@@ -187,6 +187,27 @@ def _addmm_f32_(acc, a, b):
     acc.add_(_mm_f32(a, b))
 
 
+def _mm_into(out, a, b):
+    """out = a @ b, fp32 accumulation rounded once to out's dtype. cuBLAS writes bf16/fp16 out
+    directly when it may not reduce split-K partial sums in the low precision (torch allows that
+    by default: the flag is cleared around the call); else through an fp32 temporary."""
+    if a.dtype == out.dtype and out.dtype in (torch.float32, torch.float64):
+        torch.mm(a, b, out=out)
+        return
+    flags = torch.backends.cuda.matmul
+    attr = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+            torch.float16: "allow_fp16_reduced_precision_reduction"}.get(out.dtype)
+    if not (a.is_cuda and attr and a.dtype == out.dtype):
+        out.copy_(_mm_f32(a, b))
+        return
+    old = getattr(flags, attr)
+    setattr(flags, attr, False)
+    try:
+        torch.mm(a, b, out=out)
+    finally:
+        setattr(flags, attr, old)
+
+
 def _tiles(n, v, tile_vocab):
     """Tile boundaries over the vocabulary: ``tile_vocab`` columns, or as wide as the memory
     budget allows, balanced so the last tile is not a sliver."""
@@ -250,10 +271,7 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
         else:
             g.zero_()
         if need_w:
-            if g.dtype == gw.dtype == acc_t:
-                torch.mm(g.t(), hidden, out=gw[v0:v1])  # (Vc, H)
-            else:  # fp32 out, then one rounding: no reduced-precision split-K reductions
-                gw[v0:v1].copy_(_mm_f32(g.t(), hidden))
+            _mm_into(gw[v0:v1], g.t(), hidden)  # (Vc, H), one exact write per tile
         if need_h:
             _addmm_f32_(gh, g, weight[v0:v1])  # (N, H) += (N, Vc) @ (Vc, H)
         if need_b:

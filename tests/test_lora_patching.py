@@ -242,14 +242,14 @@ def test_qwen05b_lora_training_tracks_eager(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_autocast_bf16(backend):
+def test_autocast_bf16(backend, device):
     # HF Trainer's bf16 mixed precision: fp32 weights under autocast. Eager peft then runs every
     # matmul in bf16; the fused call casts the same way and runs in bf16 (not a fallback)
     need(backend)
-    pm = lora_model("qwen2")
-    ids = batch(pm, "cpu")
+    pm = lora_model("qwen2", device)
+    ids = batch(pm, device)
     ref = step(copy.deepcopy(pm).double(), ids)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         eager = step(pm, ids)
         forge.patch(pm, backend=backend, kernels=LORA)
         patched = step(pm, ids)

@@ -189,24 +189,33 @@ def test_patched_model_matches_eager_gpu(model_type, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
 def test_greedy_generate_gpu(model_type, backend):
-    # bf16 rounds differently in the kernels and in eager, so token equality is owed only while
-    # every greedy step is a clear decision: eager's top-1 beats its top-2 by more than twice the
-    # patched-vs-eager logit error (measured teacher-forcing the eager continuation). Patched
-    # generate() (prefill and cached decode through the kernels) must match up to the first
-    # unclear step of each sequence.
+    # bf16 rounds differently in the kernels and in eager, and a random-weight model's top two
+    # logits are often closer than that: token equality is not owed. What is: the patched
+    # logits meet the oracle's rule along both continuations (teacher-forced; fp32 reference),
+    # every token patched generate() picks (prefill and cached decode through the kernels) is
+    # one eager rates within twice the patched-vs-eager logit error of its best, and the two
+    # continuations agree up to the first step eager itself could not call by that margin.
     need(backend)
     model = build_model(model_type, "qwen05b", dtype=torch.bfloat16, device="cuda").eval()
     ids, _ = batch(model, 2, 32, "cuda", seed=5)
-    p, kw = ids.shape[1], dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
-    want = model.generate(ids, **kw)
+    b, p, kw = ids.shape[0], ids.shape[1], dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        eager = model(want).logits.float()[:, p - 1: -1]  # (B, new, V): predicts want[:, p:]
+        want = model.generate(ids, **kw)
         forge.patch(model, mode="infer", backend=backend, min_elements=0)
-        err = (model(want).logits.float()[:, p - 1: -1] - eager).abs().amax()
         got = model.generate(ids, **kw)
-    top2 = eager.topk(2, dim=-1).values
-    clear = (top2[..., 0] - top2[..., 1]) > 2 * err  # (B, new)
-    assert clear.float().mean() > 0.5, f"logit error {err:.3g} too large for most greedy decisions"
-    for row in range(ids.shape[0]):
+        assert model._forge_guard_stats.fused("rope") > 0
+        seqs = torch.cat([want, got])  # (2B, P + new): step t predicts seqs[:, p + t]
+        patched = model(seqs).logits.float()[:, p - 1: -1]
+        forge.unpatch(model)
+        eager = model(seqs).logits.float()[:, p - 1: -1]
+        ref = copy.deepcopy(model).float()(seqs).logits[:, p - 1: -1]
+    tolerance.assert_close("logits", patched, ref, eager, torch.bfloat16, reduction_length(model, seqs))
+    err = (patched - eager).abs().amax(-1)  # (2B, new) per step
+    best = eager.amax(-1)
+    chosen = eager[b:].gather(-1, got[:, p:, None]).squeeze(-1)  # eager's logit of patched's pick
+    assert (chosen >= best[b:] - 2 * err[b:]).all(), "patched generate() picked a token eager rates far below its best"
+    top2 = eager[:b].topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * err[:b]  # (B, new)
+    for row in range(b):
         n = int(clear[row].long().cumprod(0).sum())  # leading clear steps
         assert torch.equal(got[row, p: p + n], want[row, p: p + n]), (row, n)
