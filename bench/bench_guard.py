@@ -12,7 +12,9 @@ modes becomes the default in forge.MIN_FUSED_ELEMENTS.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,7 +33,8 @@ SWEEPS = {
 }
 
 
-def _stream_us(fn, inputs, diff, train, calls):
+def _stream(fn, inputs, diff, train, calls):
+    """A closure running ``calls`` calls back to back (forward, or forward + backward)."""
     leaves = [t.detach().clone().requires_grad_(train and i in diff) for i, t in enumerate(inputs)]
     if not train:
         def run():
@@ -44,7 +47,24 @@ def _stream_us(fn, inputs, diff, train, calls):
                 out = fn(*leaves)
                 outs = out if isinstance(out, tuple) else (out,)
                 torch.autograd.grad(outs, [leaves[i] for i in diff], [torch.ones_like(o) for o in outs])
-    return bc.wall_us(run, iters=1, warmup=2, reps=5) / calls
+    return run
+
+
+def _pair_us(eager_fn, fn, inputs, diff, train, calls, reps=7):
+    """(eager, fused) us per call, medians over ``reps`` alternating measurements: this host's
+    speed drifts by tens of percent within a minute, so the two are never timed apart."""
+    runs = [_stream(f, inputs, diff, train, calls) for f in (eager_fn, fn)]
+    for r in runs:
+        r(), r()
+    bc.sync()
+    out = ([], [])
+    for _ in range(reps):
+        for r, acc in zip(runs, out):
+            t0 = time.perf_counter()
+            r()
+            bc.sync()
+            acc.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(out[0]), statistics.median(out[1])
 
 
 def crossover(sizes, eager, fused):
@@ -84,8 +104,7 @@ def main(argv=None):
                 for v in bc.progress(values, f"{key} {be} {mode}"):
                     inputs, diff, _, _ = _case(key, make(v), dtype, dev)
                     n = inputs[0].numel() + (inputs[1].numel() if key == "rope" else 0)
-                    e = _stream_us(eager_fn, inputs, diff, mode == "train", a.calls)
-                    f = _stream_us(fn, inputs, diff, mode == "train", a.calls)
+                    e, f = _pair_us(eager_fn, fn, inputs, diff, mode == "train", a.calls, 1 if a.quick else 7)
                     e_t.append(e), f_t.append(f), elems.append(n)
                     rows.append({"kernel": key, "backend": be, "mode": mode, label: v, "elements": n,
                                  "eager_us": e, "fused_us": f, "speedup": e / f})

@@ -108,6 +108,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="few calls (a CPU smoke test, not a number)")
+    ap.add_argument("--profile", action="store_true", help="also cProfile the fn+bwd streams (top functions)")
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -117,6 +118,22 @@ def main(argv=None):
         us = _per_call_us(fn, calls, reps=1 if args.quick else 5)
         rows.append(dict(kernel=kernel, measure=what, us_per_call=us))
     bc.print_table(rows, ["kernel", "measure", "us_per_call"])
+    if args.profile:
+        import cProfile
+        import pstats
+
+        for kernel, what, fn in cases(dev, dtype):
+            if what != "fn+bwd":
+                continue
+            fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            bc.sync()
+            prof.disable()
+            print(f"--- cProfile {kernel} {what}: {calls} calls")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     j, c = bc.write_results("host_overhead", rows, {"calls": calls})
     print(f"wrote {j}\n      {c}")
 

@@ -11,15 +11,17 @@ else
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout 240" || PT=""
-# one test file per line of $TESTS, optionally followed by its own pytest arguments (-k ...);
-# each line gets its own time limit, so one slow file cannot starve the others
+# one test file per line of $TESTS, optionally followed by its own pytest arguments in shell
+# syntax (-k "pallas or generate"); each line gets its own time limit, so one slow file cannot
+# starve the others
 i=0
 while read -r t extra; do
   [ -z "$t" ] && continue
   i=$((i + 1))
   name=$(basename "$t" .py)-$i
+  eval "set -- $extra"
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest "$t" -q -p no:cacheprovider $PT -rfE --tb=short \
-    ${PYTEST_ARGS:-} $extra > "$OUT/pytest-$name.log" 2>&1 < /dev/null
+    ${PYTEST_ARGS:-} "$@" > "$OUT/pytest-$name.log" 2>&1 < /dev/null
   echo "$t $extra: rc=$? $(grep -E '(passed|failed|skipped)' "$OUT/pytest-$name.log" | tail -1)"
   grep -E "^FAILED|^ERROR" "$OUT/pytest-$name.log" | head -10
 done <<< "${TESTS:-}"

@@ -101,6 +101,8 @@ def swiglu(gate, up):
     """Triton ``silu(gate) * up`` (forge.spec.swiglu)."""
     swiglu_spec.check(gate, up)
     _common.check_device(gate=gate, up=up)
+    if not _common.needs_autograd(gate, up):
+        return glu_fwd(gate, up, False)[0]
     return GLUFunction.apply(gate, up, False)
 
 
@@ -108,4 +110,6 @@ def geglu(gate, up):
     """Triton ``gelu_tanh(gate) * up`` (forge.spec.geglu)."""
     geglu_spec.check(gate, up)
     _common.check_device(gate=gate, up=up)
+    if not _common.needs_autograd(gate, up):
+        return glu_fwd(gate, up, True)[0]
     return GLUFunction.apply(gate, up, True)

@@ -148,4 +148,6 @@ def rmsnorm(x, weight, eps: float = 1e-6, *, casting: str = "llama", offset: flo
     _common.check_device(x=x, weight=weight)
     if x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"x's last dimension {x.shape[-1]} exceeds the kernel's maximum width {MAX_WIDTH}")
+    if not _common.needs_autograd(x, weight):
+        return rmsnorm_fwd(x, weight, eps, casting, offset)[0]
     return RMSNormFunction.apply(x, weight, eps, casting, offset)

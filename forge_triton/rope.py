@@ -118,7 +118,12 @@ def rope(q, k, cos, sin, unsqueeze_dim: int = 1):
     """Triton RoPE with the signature of ``forge.spec.rope.reference``; returns (q_out, k_out)."""
     spec.check(q, k, cos, sin, unsqueeze_dim)
     _common.check_device(q=q, k=k, cos=cos, sin=sin)
+    fn = RoPEFunction.apply if _common.needs_autograd(q, k, cos, sin) else _rope_bare
     if unsqueeze_dim == 2:  # (B, S, H, D): rotate the (B, H, S, D) view, hand back the same layout
-        qo, ko = RoPEFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        qo, ko = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return qo.transpose(1, 2), ko.transpose(1, 2)
-    return RoPEFunction.apply(q, k, cos, sin)
+    return fn(q, k, cos, sin)
+
+
+def _rope_bare(q, k, cos, sin):
+    return rope_apply(q, k, cos, sin, backward=False)
