@@ -27,8 +27,8 @@ from bench_backends import _case, _impl  # noqa: E402
 # per kernel: (label of the swept dimension, make shape from the swept value, values)
 SWEEPS = {
     "rmsnorm": ("rows x 896", lambda r: (r, 896), [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]),
-    "swiglu": ("rows x 4864", lambda r: (r, 4864), [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]),
-    "geglu": ("rows x 4864", lambda r: (r, 4864), [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]),
+    "swiglu": ("rows x 4864", lambda r: (r, 4864), [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192, 16384]),
+    "geglu": ("rows x 4864", lambda r: (r, 4864), [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192, 16384]),
     "rope": ("seq (1,14,2,S,64)", lambda s: (1, 14, 2, s, 64), [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]),
 }
 
@@ -116,7 +116,19 @@ def main(argv=None):
     bc.print_table(rows, ["kernel", "backend", "mode", "elements", "eager_us", "fused_us", "speedup"])
     print()
     bc.print_table(summary, ["kernel", "backend", "crossover_infer", "crossover_train", "min_fused_elements", "note"])
-    bc.write_results("bench_guard", rows, {"summary": summary})
+    # the defaults this sweep suggests, in forge.MIN_FUSED_ELEMENTS's per-mode form (the smallest
+    # swept size counts as 0: fused from the first call; no crossover: NEVER)
+    suggest = {}
+    for srow in summary:
+        for mode in ("infer", "train"):
+            c = srow.get(f"crossover_{mode}", "missing")
+            if c == "missing":
+                continue
+            smallest = min(r["elements"] for r in rows if r["kernel"] == srow["kernel"])
+            val = "NEVER" if c is None else (0 if c == smallest else c)
+            suggest.setdefault(srow["backend"], {}).setdefault(mode, {})[srow["kernel"]] = val
+    print("suggested forge.MIN_FUSED_ELEMENTS:", suggest)
+    bc.write_results("bench_guard", rows, {"summary": summary, "suggested_min_fused_elements": suggest})
     return summary
 
 

@@ -10,10 +10,25 @@ __version__ = "0.1.0"
 
 from .errors import BackendUnavailableError, UnsupportedModelError  # noqa: E402
 
-# Per-backend minimum activation elements (rows x width) for a shape-sensitive kernel call to be
-# fused; smaller calls run the original forward. Calibrated by bench/bench_guard.py. A value may
-# also be a dict kernel key -> int (e.g. {"pallas": {"rope": 65536}}); read at patch time.
-MIN_FUSED_ELEMENTS: dict[str, int | dict[str, int]] = {"triton": 0, "pallas": 0}
+# Per-call guard defaults: the activation elements (rows x width) from which a shape-sensitive
+# call (rmsnorm, swiglu, geglu, rope) is fused; smaller calls run the original forward. Per
+# backend: an int, a dict kernel key -> int, or a dict mode ("infer"/"train") -> either. Read at
+# patch time; ``forge.patch(min_elements=...)`` overrides it (0 = always fuse).
+#
+# Calibrated on one H200 host with bench/bench_guard.py (bench/results/bench_guard-h200-
+# 20261130-074132.*; streams of calls, eager and fused timed alternately): the smallest size
+# from which the fused call was at least as fast as eager at every larger size of the sweep, or
+# NEVER where it was not (there the host cost of a call, ~30 us Triton forward and ~250 us
+# forward + backward, ~0.2 ms / ~1.5 ms bridged Pallas, exceeds what the kernel saves on the
+# device up to the largest size swept: 4096 x 4864 for the GLUs, 16384 x 896 for RMSNorm).
+NEVER = 1 << 62
+MIN_FUSED_ELEMENTS: dict = {
+    "triton": {
+        "infer": {"rmsnorm": 0, "rope": 0, "swiglu": 4096 * 4864, "geglu": NEVER},
+        "train": {"rmsnorm": 0, "rope": 0, "swiglu": NEVER, "geglu": NEVER},
+    },
+    "pallas": NEVER,
+}
 
 
 def patch(model, mode="train", backend="auto", min_elements=None, kernels=None):
@@ -49,6 +64,7 @@ def unpatch(model):
 __all__ = [
     "BackendUnavailableError",
     "MIN_FUSED_ELEMENTS",
+    "NEVER",
     "UnsupportedModelError",
     "__version__",
     "patch",

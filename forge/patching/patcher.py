@@ -62,6 +62,8 @@ class Patcher:
         import forge  # read at patch time so a user (or the calibration) can change it
 
         d = forge.MIN_FUSED_ELEMENTS.get(self.backend(key), 0)
+        if isinstance(d, dict) and d.keys() & {"infer", "train"}:
+            d = d.get(self.mode, 0)  # per-mode defaults
         return int(d.get(key, 0) if isinstance(d, dict) else d)
 
     def replace_forward(self, module, key: str, new_forward) -> None:
