@@ -239,7 +239,8 @@ def main(argv=None):
     print(title)
     bc.print_table(rows, COLUMNS)
     extra = {"args": vars(a), "title": title}
-    jpath, cpath = bc.write_results(f"bench_patch_bisect-{a.model}-{a.mode}-{a.batch}x{a.seq_len}", rows, extra)
+    jpath, cpath = bc.write_results(
+        f"bench_patch_bisect-{a.model}-{a.mode}-{a.batch}x{a.seq_len}{'-lora' if a.lora else ''}-{a.backend}", rows, extra)
     png = _plot(rows, jpath.with_suffix(".png"), title)
     print(f"wrote {jpath}\n      {cpath}" + (f"\n      {png}" if png else ""))
     return rows

@@ -16,16 +16,17 @@ from .errors import BackendUnavailableError, UnsupportedModelError  # noqa: E402
 # patch time; ``forge.patch(min_elements=...)`` overrides it (0 = always fuse).
 #
 # Calibrated on one H200 host with bench/bench_guard.py (bench/results/bench_guard-h200-
-# 20261130-074132.*; streams of calls, eager and fused timed alternately): the smallest size
-# from which the fused call was at least as fast as eager at every larger size of the sweep, or
-# NEVER where it was not (there the host cost of a call, ~30 us Triton forward and ~250 us
-# forward + backward, ~0.2 ms / ~1.5 ms bridged Pallas, exceeds what the kernel saves on the
-# device up to the largest size swept: 4096 x 4864 for the GLUs, 16384 x 896 for RMSNorm).
+# 20261130-074132.* and -0750*: streams of calls, eager and fused timed alternately): the
+# smallest size from which the fused call was at least as fast as eager at every larger size of
+# the sweep, or NEVER where it was not (there the host cost of a call, ~30 us Triton forward
+# and ~250 us forward + backward, ~0.2 ms / ~1.5 ms bridged Pallas, exceeds what the kernel
+# saves on the device up to the largest size swept: 16384 x 4864 for the GLUs, 16384 x 896
+# for RMSNorm, (1, 14 + 2, 4096, 64) for RoPE).
 NEVER = 1 << 62
 MIN_FUSED_ELEMENTS: dict = {
     "triton": {
-        "infer": {"rmsnorm": 0, "rope": 0, "swiglu": 4096 * 4864, "geglu": NEVER},
-        "train": {"rmsnorm": 0, "rope": 0, "swiglu": NEVER, "geglu": NEVER},
+        "infer": {"rmsnorm": 0, "rope": 0, "swiglu": 4096 * 4864, "geglu": 4096 * 4864},
+        "train": {"rmsnorm": 0, "rope": 0, "swiglu": 16384 * 4864, "geglu": 16384 * 4864},
     },
     "pallas": NEVER,
 }
