@@ -29,7 +29,6 @@ import dataclasses
 import inspect
 import types
 
-import torch
 from torch import nn
 
 from .. import errors, ops
@@ -353,12 +352,6 @@ def _apply_fused_ce(root, arch, p):
     if kernel is None:
         return
     inner = fw.innermost(type(root).forward)
-    # torch.compile over a patched model: dynamo cannot trace the fused loss (its fp32-out
-    # addmm fails in torch's fake-tensor decomposition, measured on the H200), so it runs outside the
-    # graph: one graph break per step, the rest of the model compiles
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "disable"):
-        kernel = compiler.disable(kernel)
     fused = fw.fused_ce_forward(kernel, inner, arch.logit_softcap_attr, p.stats.counter(key))
     try:
         fn = fw.rebuild(type(root).forward, lambda f: fused)

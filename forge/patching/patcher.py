@@ -8,6 +8,10 @@ no backend can run the kernel); ``wants(key)`` (requested and allowed in this mo
 """
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from .. import errors, ops
 from ..spec import SHAPE_SENSITIVE
 from .guard import GuardStats
@@ -46,10 +50,14 @@ class Patcher:
         return b
 
     def kernel(self, key: str):
+        """The kernel function the patched forwards call, opaque to torch.compile: dynamo
+        failed inside the kernels on the H200 (the loss's fp32-output addmm under fake tensors,
+        an internal error in a Triton wrapper), so a compiled patched model runs each kernel
+        outside its graphs (a graph break per call; ~1 us of host time per call in eager)."""
         b, hit = self._load(key)
         if b is None:
             raise errors.BackendUnavailableError(hit)
-        return hit
+        return _opaque(hit)
 
     def min_elements(self, key: str) -> int:
         if key not in SHAPE_SENSITIVE:
@@ -131,3 +139,9 @@ def restore(records) -> None:
             module.__dict__["forward"] = old
         else:
             module.__dict__.pop("forward", None)
+
+
+@functools.cache
+def _opaque(fn):
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
