@@ -125,6 +125,32 @@ def test_default_threshold_is_forge_min_fused_elements(qwen2, monkeypatch):
     assert (stats.fused("swiglu"), stats.fallback("swiglu")) == (2, 0)
 
 
+def test_default_threshold_per_mode(qwen2, monkeypatch):
+    # a backend's default may differ per mode ({"infer": ..., "train": ...}, as calibrated)
+    monkeypatch.setattr(forge, "MIN_FUSED_ELEMENTS", {"triton": {"infer": {"swiglu": NEVER}, "train": 0}})
+    forge.patch(qwen2, mode="infer", backend="triton", kernels=["rmsnorm", "swiglu"])
+    logits(qwen2, ids_for(qwen2))
+    stats = qwen2._forge_guard_stats
+    assert (stats.fused("swiglu"), stats.fallback("swiglu")) == (0, 2)
+    assert (stats.fused("rmsnorm"), stats.fallback("rmsnorm")) == (5, 0)
+    forge.unpatch(qwen2)
+    forge.patch(qwen2, mode="train", backend="triton", kernels=["swiglu"])
+    logits(qwen2, ids_for(qwen2))
+    assert qwen2._forge_guard_stats.fused("swiglu") == 2
+
+
+def test_shipped_defaults_resolve_for_every_kernel():
+    # the calibrated table names every shape-sensitive kernel, in both modes, for both backends
+    from forge.spec import SHAPE_SENSITIVE
+
+    for backend, d in forge.MIN_FUSED_ELEMENTS.items():
+        for mode in ("infer", "train"):
+            per_mode = d.get(mode, d) if isinstance(d, dict) else d
+            for key in SHAPE_SENSITIVE:
+                v = per_mode.get(key) if isinstance(per_mode, dict) else per_mode
+                assert isinstance(v, int) and v >= 0, (backend, mode, key, v)
+
+
 def test_unpatch_restores_exactly(qwen2):
     ids = ids_for(qwen2)
     want = logits(qwen2, ids)
