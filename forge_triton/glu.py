@@ -97,19 +97,19 @@ class GLUFunction(torch.autograd.Function):
         return dg, du, None
 
 
-def swiglu(gate, up):
-    """Triton ``silu(gate) * up`` (forge.spec.swiglu)."""
-    swiglu_spec.check(gate, up)
+def _glu(spec_check, gate, up, gelu: bool):
+    spec_check(gate, up)
     _common.check_device(gate=gate, up=up)
     if not _common.needs_autograd(gate, up):
-        return glu_fwd(gate, up, False)[0]
-    return GLUFunction.apply(gate, up, False)
+        return glu_fwd(gate, up, gelu)[0]
+    return GLUFunction.apply(gate, up, gelu)
+
+
+def swiglu(gate, up):
+    """Triton ``silu(gate) * up`` (forge.spec.swiglu)."""
+    return _glu(swiglu_spec.check, gate, up, False)
 
 
 def geglu(gate, up):
     """Triton ``gelu_tanh(gate) * up`` (forge.spec.geglu)."""
-    geglu_spec.check(gate, up)
-    _common.check_device(gate=gate, up=up)
-    if not _common.needs_autograd(gate, up):
-        return glu_fwd(gate, up, True)[0]
-    return GLUFunction.apply(gate, up, True)
+    return _glu(geglu_spec.check, gate, up, True)
