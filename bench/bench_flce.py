@@ -31,7 +31,9 @@ IMPLS = ("eager", "triton", "pallas", "liger")
 IGNORED = 0.1  # fraction of labels = -100, as in shared/MEASURED.md
 
 
-def _impl(name):
+def _impl(name, tile_vocab=None):
+    import functools
+
     import torch.nn.functional as F
 
     if name == "eager":
@@ -39,7 +41,8 @@ def _impl(name):
     if name in ("triton", "pallas"):
         from forge import ops
 
-        return ops.get("fused_linear_ce", name)
+        fn = ops.get("fused_linear_ce", name)
+        return functools.partial(fn, tile_vocab=tile_vocab) if tile_vocab else fn
     if name == "liger":
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -48,7 +51,21 @@ def _impl(name):
     raise ValueError(name)
 
 
-def run_one(case: str, impl: str, iters: int, warmup: int) -> dict:
+def _top_kernels(step, sync, top=10):
+    """One step under torch.profiler (JAX's kernels included): (name, ms, calls), slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    rows = [(e.key[:90], e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return [list(r) for r in rows[:top]]
+
+
+def run_one(case: str, impl: str, iters: int, warmup: int, profile: bool = False,
+            tile_vocab: int | None = None) -> dict:
     """One (case, implementation) in this process; returns its row."""
     import torch
 
@@ -62,7 +79,7 @@ def run_one(case: str, impl: str, iters: int, warmup: int) -> dict:
     y = torch.randint(0, v, (n,), device=dev, generator=g)
     y[torch.rand(n, device=dev, generator=g) < IGNORED] = -100
     try:
-        fn = _impl(impl)
+        fn = _impl(impl, tile_vocab)
     except ImportError as e:
         return {"case": case, "impl": impl, "skipped": f"not importable: {e}"}
 
@@ -93,6 +110,10 @@ def run_one(case: str, impl: str, iters: int, warmup: int) -> dict:
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
         h.grad = w.grad = None
+    kernels = None
+    if profile and cuda:
+        kernels = _top_kernels(step, sync)
+        h.grad = w.grad = None
     jax_peak = None
     if impl == "pallas" and cuda:
         import jax
@@ -105,7 +126,8 @@ def run_one(case: str, impl: str, iters: int, warmup: int) -> dict:
             "ms_min": min(times), "extra_mib": extra / 2**20, "torch_extra_mib": torch_extra / 2**20,
             "jax_peak_mib": None if jax_peak is None else jax_peak / 2**20,
             "tflops_useful": useful / ms / 1e9, "loss": loss_val, "grad_h_norm": gnorm[0],
-            "grad_w_norm": gnorm[1], "times": times}
+            "grad_w_norm": gnorm[1], "times": times,
+            **({"top_kernels": kernels} if kernels else {})}
 
 
 def main():
@@ -115,10 +137,14 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2, help="processes per implementation, in rotation")
+    ap.add_argument("--tile-vocab", type=int, default=None,
+                    help="forge's vocabulary tile width (default: the backend's own rule)")
+    ap.add_argument("--profile", action="store_true", help="print each run's slowest kernels")
     ap.add_argument("--one", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print("ROW " + json.dumps(run_one(*args.one, args.iters, args.warmup)))
+        print("ROW " + json.dumps(run_one(*args.one, args.iters, args.warmup, args.profile,
+                                           args.tile_vocab)))
         return
     import _common
 
@@ -135,7 +161,8 @@ def main():
                 if impl in got and "ms" not in got[impl]:
                     continue  # failed or skipped once: do not retry
                 cmd = [sys.executable, __file__, "--one", case, impl, "--iters", str(args.iters),
-                       "--warmup", str(args.warmup)]
+                       "--warmup", str(args.warmup)] + (["--profile"] if args.profile else []) \
+                    + (["--tile-vocab", str(args.tile_vocab)] if args.tile_vocab else [])
                 p = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 line = [x for x in p.stdout.splitlines() if x.startswith("ROW ")]
                 if p.returncode or not line:
@@ -143,6 +170,8 @@ def main():
                     print(f"{case} {impl}: FAILED\n{got[impl]['error']}", file=sys.stderr)
                     continue
                 row = json.loads(line[0][4:])
+                for k, t, c in row.get("top_kernels") or []:
+                    print(f"  {case} {impl} kernel: {t:8.2f} ms x{c:<4} {k}")
                 if impl in got:  # merge: the step times of every process
                     got[impl]["times"] += row["times"]
                     got[impl]["extra_mib"] = max(got[impl]["extra_mib"], row["extra_mib"])

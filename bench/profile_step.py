@@ -1,0 +1,94 @@
+"""Where a whole-model step's time goes: host (CPU) against device (GPU), per variant.
+
+For each variant (eager, forge with all kernels, forge with one kernel) in one process: the
+median wall time of a step, then one step under torch.profiler: the device's busy time (sum of
+kernel durations; JAX's kernels included), the host's time in torch ops, and the top host ops
+and device kernels. A step whose wall time is well above its device time is host-bound, and
+only less host work per call makes it faster.
+
+    python bench/profile_step.py --mode train --batch 4 --seq-len 1024 \
+        --variants eager,all,fused_linear_ce [--backend triton] [--min-elements 0]
+
+Writes bench/results/profile_step-<model>-<mode>-<B>x<S>-<gpu>-<stamp>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import _common as bc  # noqa: E402
+import forge  # noqa: E402
+from bench_patch_bisect import _step_fn, _time  # noqa: E402
+from presets import PRESETS, build  # noqa: E402
+
+
+def _profile(step, top):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        bc.sync()
+    avg = prof.key_averages()
+    dev = [(e.key, e.self_device_time_total / 1e3, e.count) for e in avg if e.self_device_time_total > 0]
+    host = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in avg]
+    dev.sort(key=lambda r: -r[1])
+    host.sort(key=lambda r: -r[1])
+    return {
+        "device_busy_ms": sum(r[1] for r in dev),
+        "host_self_ms": sum(r[1] for r in host),
+        "top_device": [list(r) for r in dev[:top]],
+        "top_host": [list(r) for r in host[:top]],
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    p.add_argument("--mode", default="train", choices=("train", "infer"))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--variants", default="eager,all", help="eager, all, or kernel keys")
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--min-elements", type=int, default=None)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--quick", action="store_true", help="tiny preset on the CPU")
+    a = p.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
+    name = "tiny" if a.quick else a.model
+    model = build(name, torch.bfloat16 if dev == "cuda" else torch.float32, dev)
+    model.train(a.mode == "train")
+    vocab = model.config.vocab_size
+    b, s = (1, 16) if a.quick else (a.batch, a.seq_len)
+    ids = torch.randint(0, vocab, (b, s), device=dev)
+    step = _step_fn(model, a.mode, ids)
+    rows = []
+    for v in a.variants.split(","):
+        if v != "eager":
+            kw = {} if v == "all" else {"kernels": [v]}
+            forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements, **kw)
+        ms = statistics.median(_time(step, 2 if a.quick else a.steps, 1 if a.quick else 3))
+        row = {"variant": v, "ms": ms, **_profile(step, a.top)}
+        if v != "eager":
+            row["guard"] = model._forge_guard_stats.as_dict()
+            forge.unpatch(model)
+        rows.append(row)
+        print(f"== {v}: {ms:.1f} ms/step wall, device busy {row['device_busy_ms']:.1f} ms, "
+              f"host self {row['host_self_ms']:.1f} ms (under the profiler)")
+        print("   top device:", "; ".join(f"{k[:60]} {t:.2f} ms x{c}" for k, t, c in row["top_device"]))
+        print("   top host:  ", "; ".join(f"{k[:40]} {t:.2f} ms x{c}" for k, t, c in row["top_host"]))
+    bc.print_table([{k: r[k] for k in ("variant", "ms", "device_busy_ms", "host_self_ms")} for r in rows],
+                   ["variant", "ms", "device_busy_ms", "host_self_ms"])
+    stem = f"profile_step-{name}-{a.mode}-{b}x{s}-{a.backend}"
+    bc.write_results(stem, rows, {"args": vars(a)})
+
+
+if __name__ == "__main__":
+    main()
