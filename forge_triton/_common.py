@@ -42,6 +42,19 @@ def check_device(**named) -> None:
             raise ValueError(f"{name} is on {t.device}, but the triton backend here runs on {where}")
 
 
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def hot_tensors(*ts) -> bool:
+    """Every argument a float tensor on the device this backend runs on: the per-call fast
+    check (a few attribute reads); when it fails the wrapper runs the spec's full checks, which
+    raise the clear error."""
+    for t in ts:
+        if not (isinstance(t, torch.Tensor) and t.dtype in _FLOATS and (t.is_cuda if _ON_CUDA else t.is_cpu)):
+            return False
+    return True
+
+
 def needs_autograd(*tensors) -> bool:
     """Whether a call must go through its autograd.Function: without grad mode or an input that
     requires grad (inference) the forward runs bare, a few microseconds less host time per call."""
@@ -59,6 +72,17 @@ def num_sms(device) -> int:
     return 4
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b). (``triton.cdiv`` is a constexpr_function on Triton 3.6: several
+    microseconds per host call.)"""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side next power of two >= n (1 for n <= 1); see :func:`cdiv`."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def dot_upcast() -> bool:
     """Triton's interpreter returns garbage for bf16 ``tl.dot``: upcast operands to fp32 there.
     Kernels take this as a constexpr (see shared/MEASURED.md)."""
@@ -67,7 +91,7 @@ def dot_upcast() -> bool:
 
 def acc(dtype: torch.dtype):
     """Compute dtype inside kernels: fp32, or fp64 for fp64 inputs (gradcheck)."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
+    return tl.float64 if dtype is torch.float64 else tl.float32
 
 
 def acc_torch(dtype: torch.dtype) -> torch.dtype:

@@ -7,7 +7,7 @@ import triton.language as tl
 
 from forge.spec import rmsnorm as spec
 
-from . import _common
+from . import _common, _launch
 from ._common import cast
 
 MAX_WIDTH = 65536  # one row lives in registers
@@ -79,51 +79,73 @@ def _rmsnorm_bwd_kernel(
 TILE = 4096
 BWD_PROGS_PER_SM = 4
 
+_fwd = _launch.FastKernel(_rmsnorm_fwd_kernel)
+_bwd = _launch.FastKernel(_rmsnorm_bwd_kernel)
+_CFG: dict[int, tuple[int, int, int]] = {}
+
 
 def _launch_cfg(n: int) -> tuple[int, int, int]:
-    block_n = triton.next_power_of_2(max(n, 1))
-    block_m = max(1, min(64, TILE // block_n))
-    tile = block_m * block_n
-    warps = 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
-    return block_m, block_n, warps
+    cfg = _CFG.get(n)
+    if cfg is None:
+        block_n = _common.next_pow2(max(n, 1))
+        block_m = max(1, min(64, TILE // block_n))
+        tile = block_m * block_n
+        warps = 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
+        cfg = _CFG[n] = (block_m, block_n, warps)
+    return cfg
 
 
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """t as rows of width n with unit column stride: (tensor, row stride). A contiguous t is used
+    as it is (no reshape: a view op costs microseconds of host time per call)."""
+    if t.is_contiguous():
+        return t, n
     t2 = t.reshape(-1, n)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2, t2.stride(0)
 
 
 def rmsnorm_fwd(x, weight, eps, casting, offset):
+    """(y shaped like x, x as the backward reads it, rstd (M,))."""
     n = x.shape[-1]
-    x2 = _rows(x, n)
-    m = x2.shape[0]
-    y = _common.empty((m, n), spec.out_dtype(x, weight, casting), x.device)
-    rstd = _common.empty((m,), _common.acc_torch(x.dtype), x.device)
+    x2, sx = _rows(x, n)
+    m = x.numel() // n if n else 0
+    gemma = casting == "gemma"
+    dt = x.dtype if gemma or weight.dtype is x.dtype else torch.promote_types(weight.dtype, x.dtype)
+    y = _common.empty(x.shape, dt, x.device)
+    rstd = _common.empty((m,), torch.float64 if x.dtype is torch.float64 else torch.float32, x.device)
     if m:
         block_m, block_n, warps = _launch_cfg(n)
-        _rmsnorm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), m, n, float(eps), float(offset),
-            BLOCK_M=block_m, BLOCK_N=block_n, GEMMA=casting == "gemma", ACC=_common.acc(x.dtype),
-            num_warps=warps,
+        _fwd[(-(-m // block_m),)](
+            x2, weight if weight.is_contiguous() else weight.contiguous(), y, rstd, sx, n, m, n,
+            float(eps), float(offset), BLOCK_M=block_m, BLOCK_N=block_n, GEMMA=gemma,
+            ACC=_common.acc(x.dtype), num_warps=warps,
         )
-    return y.view(x.shape), x2, rstd
+    return y, x2, rstd
 
 
 def rmsnorm_bwd(dy, x2, weight, rstd, casting, offset):
-    m, n = x2.shape
-    dy2 = _rows(dy, n)
-    dx = _common.empty((m, n), x2.dtype, x2.device)
+    """(dx shaped like x2, dw)."""
+    n = x2.shape[-1]
+    m = rstd.shape[0]
+    sx = n if x2.is_contiguous() else x2.stride(0)
+    dy2, sdy = _rows(dy, n)
+    dx = _common.empty(x2.shape, x2.dtype, x2.device)
     if m == 0:
         return dx, torch.zeros_like(weight)
     block_m, block_n, warps = _launch_cfg(n)
-    progs = min(triton.cdiv(m, block_m), BWD_PROGS_PER_SM * _common.num_sms(x2.device))
-    dw_part = _common.empty((progs, n), _common.acc_torch(x2.dtype), x2.device)
-    _rmsnorm_bwd_kernel[(progs,)](
-        dy2, x2, weight.contiguous(), rstd, dx, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0), m, n,
-        float(offset), BLOCK_M=block_m, BLOCK_N=block_n, GEMMA=casting == "gemma",
-        ACC=_common.acc(x2.dtype), num_warps=warps,
+    progs = min(-(-m // block_m), BWD_PROGS_PER_SM * _common.num_sms(x2.device))
+    acc_t = torch.float64 if x2.dtype is torch.float64 else torch.float32
+    dw_part = _common.empty((progs, n), acc_t, x2.device)
+    _bwd[(progs,)](
+        dy2, x2, weight if weight.is_contiguous() else weight.contiguous(), rstd, dx, dw_part,
+        sdy, sx, n if dx.is_contiguous() else dx.stride(0), m, n, float(offset),
+        BLOCK_M=block_m, BLOCK_N=block_n, GEMMA=casting == "gemma", ACC=_common.acc(x2.dtype),
+        num_warps=warps,
     )
-    return dx, dw_part.sum(0).to(weight.dtype)
+    dw = dw_part.sum(0)
+    return dx, (dw if dw.dtype is weight.dtype else dw.to(weight.dtype))
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -139,15 +161,32 @@ class RMSNormFunction(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         casting, offset, shape = ctx.cfg
         dx, dw = rmsnorm_bwd(dy, x2, weight, rstd, casting, offset)
-        return dx.view(shape), (dw if ctx.needs_input_grad[1] else None), None, None, None
+        if dx.shape != shape:
+            dx = dx.view(shape)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
+
+
+_OK_CFG: set = set()  # (casting, eps, offset) already validated
+
+
+def _hot(x, weight, eps, casting, offset) -> bool:
+    """The common case, checked in a few attribute reads: what spec.check would accept."""
+    try:
+        return (_common.hot_tensors(x, weight) and weight.dim() == 1 and x.dim() >= 1
+                and weight.shape[0] == x.shape[-1] <= MAX_WIDTH
+                and x.get_device() == weight.get_device() and (casting, eps, offset) in _OK_CFG)
+    except TypeError:  # an unhashable argument: let spec.check say what is wrong
+        return False
 
 
 def rmsnorm(x, weight, eps: float = 1e-6, *, casting: str = "llama", offset: float = 0.0):
     """Triton RMSNorm with the signature of ``forge.spec.rmsnorm.reference``."""
-    spec.check(x, weight, eps, casting, offset)
-    _common.check_device(x=x, weight=weight)
-    if x.shape[-1] > MAX_WIDTH:
-        raise ValueError(f"x's last dimension {x.shape[-1]} exceeds the kernel's maximum width {MAX_WIDTH}")
+    if not _hot(x, weight, eps, casting, offset):
+        spec.check(x, weight, eps, casting, offset)
+        _common.check_device(x=x, weight=weight)
+        if x.shape[-1] > MAX_WIDTH:
+            raise ValueError(f"x's last dimension {x.shape[-1]} exceeds the kernel's maximum width {MAX_WIDTH}")
+        _OK_CFG.add((casting, eps, offset))
     if not _common.needs_autograd(x, weight):
         return rmsnorm_fwd(x, weight, eps, casting, offset)[0]
     return RMSNormFunction.apply(x, weight, eps, casting, offset)

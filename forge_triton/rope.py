@@ -12,7 +12,7 @@ import triton.language as tl
 
 from forge.spec import rope as spec
 
-from . import _common
+from . import _common, _launch
 from ._common import cast
 
 
@@ -63,9 +63,24 @@ def _rope_kernel(
 
 WARPS = None  # None: by tile size; bench/tune_triton.py sweeps it
 
+_kernel = _launch.FastKernel(_rope_kernel)
+_CFG: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
-def _lastdim_unit(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
+
+def _cfg(hq, hk, d):
+    cfg = _CFG.get((hq, hk, d))
+    if cfg is None:
+        cfg = _CFG[(hq, hk, d)] = (d // 2, _common.next_pow2(d // 2), _common.next_pow2(hq), _common.next_pow2(hk))
+    return cfg
+
+
+def _unit(t):
+    """(t with unit stride in its last dimension, its strides)."""
+    st = t.stride()
+    if st[-1] != 1:
+        t = t.contiguous()
+        st = t.stride()
+    return t, st
 
 
 def _out_like(t):
@@ -76,25 +91,25 @@ def _out_like(t):
 
 def rope_apply(q, k, cos, sin, backward: bool):
     """Rotate q (B,HQ,S,D) and k (B,HK,S,D); backward=True applies the transpose rotation."""
-    q, k = _lastdim_unit(q), _lastdim_unit(k)
-    cos, sin = _lastdim_unit(cos), _lastdim_unit(sin)
-    if cos.stride() != sin.stride():
+    q, sq = _unit(q)
+    k, sk = _unit(k)
+    cos, sc = _unit(cos)
+    sin, ss = _unit(sin)
+    if sc != ss:
         cos, sin = cos.contiguous(), sin.contiguous()
+        sc = cos.stride()
     qo, ko = _out_like(q), _out_like(k)
     b, hq, s, d = q.shape
     hk = k.shape[1]
-    if q.numel() == 0 and k.numel() == 0:
+    if not (b * s and (hq or hk) and d):
         return qo, ko
-    scb = 0 if cos.shape[0] == 1 else cos.stride(0)
-    half = d // 2
-    block_d = triton.next_power_of_2(half)
-    block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(hk)
+    sqo, sko = qo.stride(), ko.stride()
+    half, block_d, block_hq, block_hk = _cfg(hq, hk, d)
     warps = WARPS or (4 if (block_hq + block_hk) * block_d <= 4096 else 8)
-    _rope_kernel[(b * s,)](
+    _kernel[(b * s,)](
         q, k, qo, ko, cos, sin,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-        scb, cos.stride(1), s, hq, hk, half,
+        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
+        0 if cos.shape[0] == 1 else sc[0], sc[1], s, hq, hk, half,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
         ACC=_common.acc(q.dtype), num_warps=warps,
     )
@@ -116,13 +131,25 @@ class RoPEFunction(torch.autograd.Function):
 
 def rope(q, k, cos, sin, unsqueeze_dim: int = 1):
     """Triton RoPE with the signature of ``forge.spec.rope.reference``; returns (q_out, k_out)."""
-    spec.check(q, k, cos, sin, unsqueeze_dim)
-    _common.check_device(q=q, k=k, cos=cos, sin=sin)
+    if not _hot(q, k, cos, sin, unsqueeze_dim):
+        spec.check(q, k, cos, sin, unsqueeze_dim)
+        _common.check_device(q=q, k=k, cos=cos, sin=sin)
     fn = RoPEFunction.apply if _common.needs_autograd(q, k, cos, sin) else _rope_bare
     if unsqueeze_dim == 2:  # (B, S, H, D): rotate the (B, H, S, D) view, hand back the same layout
         qo, ko = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return qo.transpose(1, 2), ko.transpose(1, 2)
     return fn(q, k, cos, sin)
+
+
+def _hot(q, k, cos, sin, unsqueeze_dim) -> bool:
+    """What spec.check accepts, in the layout HF passes (unsqueeze_dim 1, cos (B|1, S, D))."""
+    if unsqueeze_dim != 1 or not _common.hot_tensors(q, k, cos, sin) or q.dtype is not k.dtype:
+        return False
+    qs, ks, cs = q.shape, k.shape, cos.shape
+    return (len(qs) == 4 and len(ks) == 4 and len(cs) == 3 and cs == sin.shape
+            and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3] and not qs[3] & 1
+            and cs[1] == qs[2] and cs[2] == qs[3] and cs[0] in (1, qs[0])
+            and q.get_device() == k.get_device() == cos.get_device() == sin.get_device())
 
 
 def _rope_bare(q, k, cos, sin):
