@@ -15,6 +15,7 @@ _WHERE = {
     "rmsnorm": "kernels",
     "swiglu": "kernels",
     "geglu": "kernels",
+    "gated_mlp": "kernels",
     "rope": "kernels",
     "fused_linear_ce": "fused_linear_ce",
     "lora_qkv": "lora",

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+import functools
+
+from forge import _gated_mlp
+from forge.spec import gated_mlp as mlp_spec
 from forge.spec import geglu as geglu_spec
 from forge.spec import rmsnorm as rmsnorm_spec
 from forge.spec import rope as rope_spec
@@ -22,6 +26,9 @@ RMSNORM = core.KernelDef("rmsnorm", _rmsnorm.rmsnorm_fwd, _rmsnorm.rmsnorm_bwd, 
                          cache_inputs=(1,))
 SWIGLU = core.KernelDef("swiglu", _glu.swiglu_fwd, _glu.swiglu_bwd, diff=(0, 1))
 GEGLU = core.KernelDef("geglu", _glu.geglu_fwd, _glu.geglu_bwd, diff=(0, 1))
+# the gated MLP's backward step: (dh, gate, up) -> (d_gate, d_up, h); called without autograd
+GLU_BWD_ACT = {kind: core.KernelDef(f"{kind}_bwd_act", functools.partial(_glu.glu_bwd_act, kind=kind), None,
+                                    diff=()) for kind in ("swiglu", "geglu")}
 # backward needs only cos and sin (saving q and k would pin activations torch's own rope does not)
 ROPE = core.KernelDef("rope", _rope.rope_fwd, _rope.rope_bwd, diff=(0, 1), save=(2, 3))
 
@@ -66,6 +73,31 @@ def swiglu(gate, up):
 
 def geglu(gate, up):
     return _glu(GEGLU, geglu_spec, gate, up)
+
+
+def _mlp_ops(kdef, bwd_act):
+    return _gated_mlp.ActOps(act=lambda g, u: core.apply(kdef, g, u),
+                             act_bwd=lambda dh, g, u: core.apply(bwd_act, dh, g, u),
+                             inplace=False, device_type="cpu" if runtime.interpret() else "cuda")
+
+
+@functools.cache
+def _mlp_ops_for(act):
+    kind = "swiglu" if act == "silu" else "geglu"
+    return _mlp_ops(SWIGLU if kind == "swiglu" else GEGLU, GLU_BWD_ACT[kind])
+
+
+def gated_mlp(x, w_gate, w_up, w_down, *, act="silu"):
+    """Pallas gated MLP (forge.spec.gated_mlp): torch's products around the bridged GLU kernels."""
+    sig = ("gated_mlp", x.shape, x.dtype, x.device, w_gate.shape, w_gate.dtype, w_gate.device,
+           w_up.shape, w_up.dtype, w_up.device, w_down.shape, w_down.dtype, w_down.device, act)
+    if sig not in _SEEN:
+        mlp_spec.check(x, w_gate, w_up, w_down, act)
+        _check_devices(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+        _SEEN.add(sig)
+    if x.numel() == 0 or w_gate.shape[0] == 0:
+        return mlp_spec.reference(x, w_gate, w_up, w_down, act=act)
+    return _gated_mlp.apply(_mlp_ops_for(act), x, w_gate, w_up, w_down)
 
 
 _OTHER = {"bhsd": "bshd", "bshd": "bhsd"}

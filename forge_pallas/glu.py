@@ -54,7 +54,9 @@ def _glu_fwd_kernel(g_ref, u_ref, y_ref, *, kind, block):
 
 
 # y = act(g) * u  =>  dg = dy * u * act'(g),  du = dy * act(g)   (act' in _act, derivations in spec)
-def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, kind, block):
+# With a y_ref (the gated MLP's backward) the kernel also writes y = act(g) * u, recomputed as
+# the forward computes it, for a caller that did not keep it.
+def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *y_ref, kind, block):
     total = g_ref.shape[0]
     acc = C.acc_dtype(g_ref.dtype)
     i = pl.program_id(0)
@@ -66,6 +68,8 @@ def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *, kind, block):
     a, da = _act(g, kind)
     C.store(dg_ref.at[s], (dy * u * da).astype(dg_ref.dtype), mask=mask)
     C.store(du_ref.at[s], (dy * a).astype(du_ref.dtype), mask=mask)
+    if y_ref:
+        C.store(y_ref[0].at[s], (a * u).astype(y_ref[0].dtype), mask=mask)
 
 
 _BLOCK = 2048  # elements per program: 8 KB..16 KB per tensor, plenty of programs at MLP sizes
@@ -103,6 +107,19 @@ def glu_bwd(inputs, res, grads, *, kind):
         out_shape=(jax.ShapeDtypeStruct((total,), gate.dtype), jax.ShapeDtypeStruct((total,), up.dtype)),
     )(gate.reshape(-1), up.reshape(-1), dy.reshape(-1))
     return dg.reshape(shape), du.reshape(shape)
+
+
+def glu_bwd_act(dy, gate, up, *, kind):
+    """dy, gate, up (...) -> ((d_gate, d_up, y), ()): the backward plus the forward's output y
+    recomputed (the gated MLP keeps gate and up, not y)."""
+    shape, total = gate.shape, gate.size
+    block = _block(total)
+    sds = jax.ShapeDtypeStruct((total,), gate.dtype)
+    dg, du, y = _launch(
+        functools.partial(_glu_bwd_kernel, kind=kind, block=block), name=f"{kind}_bwd_act",
+        grid=(C.cdiv(total, block),), num_warps=C.warps_for(block) // 2 or 1, out_shape=(sds, sds, sds),
+    )(gate.reshape(-1), up.reshape(-1), dy.reshape(-1))
+    return (dg.reshape(shape), du.reshape(shape), y.reshape(shape)), ()
 
 
 swiglu_fwd = functools.partial(glu_fwd, kind="swiglu")

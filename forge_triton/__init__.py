@@ -14,6 +14,7 @@ _WHERE = {
     "rmsnorm": "rmsnorm",
     "swiglu": "glu",
     "geglu": "glu",
+    "gated_mlp": "glu",
     "rope": "rope",
     "fused_linear_ce": "fused_linear_ce",
     "lora_qkv": "lora",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from forge import ops
+from forge.spec import gated_mlp as mlp_spec
 from forge.spec import geglu as geglu_spec
 from forge.spec import rmsnorm as rmsnorm_spec
 from forge.spec import rope as rope_spec
@@ -215,3 +216,63 @@ def test_rope_layouts(backend, layout, device):
     elif layout == "strided":
         q, k = _noncontig(q), _noncontig(k)
     _check("rope", backend, rope_spec.reference, _rope_case(q, k, cos, sin, unsqueeze_dim=2))
+
+
+# ---------------------------------------------------------------- gated MLP (train mode)
+MLP_ACTS = ["silu", "gelu_tanh"]
+
+
+def _mlp_inputs(shape, dtype, device):
+    m, h, i = shape
+    x = torch.randn(1, m, h, device=device, dtype=dtype)
+    ws = [(torch.randn(*s, device=device) * s[1] ** -0.5).to(dtype) for s in ((i, h), (i, h), (h, i))]
+    return (x, *ws)
+
+
+def _mlp_case(x, wg, wu, wd, act):
+    return {"tensors": {"x": x, "w_gate": wg, "w_up": wu, "w_down": wd},
+            "diff": ("x", "w_gate", "w_up", "w_down"), "kwargs": {"act": act},
+            "reductions": mlp_spec.reductions(x, wg, wu, wd), "out_names": ["y"]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", MLP_ACTS)
+@pytest.mark.parametrize("shape", _cases(shapes.MLP_CPU, shapes.MLP_GPU))
+def test_gated_mlp(backend, dtype, act, shape, device):
+    _check("gated_mlp", backend, mlp_spec.reference, _mlp_case(*_mlp_inputs(shape, dtype, device), act))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", MLP_ACTS)
+@pytest.mark.parametrize("shape", _cases(shapes.MLP_CPU, shapes.MLP_GPU))
+def test_gated_mlp_agree(dtype, act, shape, device):
+    _assert_agree("gated_mlp", _mlp_case(*_mlp_inputs(shape, dtype, device), act))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gated_mlp_second_backward(backend, device):
+    # Triton writes the backward's results over the saved activations: a second backward through
+    # the graph must raise torch's in-place error, not read overwritten values; Pallas (fresh
+    # buffers) gives the same gradients twice
+    x, wg, wu, wd = (t.requires_grad_() for t in _mlp_inputs((5, 16, 24), torch.float32, device))
+    y = ops.get("gated_mlp", backend)(x, wg, wu, wd)
+    dy = torch.randn_like(y)
+    first = torch.autograd.grad(y, (x, wg), dy, retain_graph=True)
+    if backend == "triton":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(y, (x, wg), dy)
+    else:
+        second = torch.autograd.grad(y, (x, wg), dy)
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gated_mlp_bad_input(backend, device):
+    x, wg, wu, wd = _mlp_inputs((2, 8, 16), torch.float32, device)
+    with pytest.raises(ValueError, match="w_down"):
+        ops.get("gated_mlp", backend)(x, wg, wu, wd.t().contiguous())
+    with pytest.raises(TypeError, match="w_up"):
+        ops.get("gated_mlp", backend)(x, wg, wu.double(), wd)
+    with pytest.raises(ValueError, match="act must be one of"):
+        ops.get("gated_mlp", backend)(x, wg, wu, wd, act="relu")

@@ -19,3 +19,6 @@ GLU_GPU = {"qwen05b": (4096, 4864), "large": (16384, 4864), "odd": (4097, 1000)}
 # (batch, q heads, kv heads, seq, head_dim)
 ROPE_CPU = {"tiny": (1, 2, 1, 3, 8), "gqa": (2, 4, 2, 5, 16), "odd": (1, 3, 3, 7, 10), "empty": (1, 2, 1, 0, 8)}
 ROPE_GPU = {"qwen05b": (4, 14, 2, 1024, 64), "large": (8, 32, 8, 2048, 128), "odd": (3, 7, 1, 1000, 64)}
+# gated MLP (train mode): rows x hidden x intermediate
+MLP_CPU = {"tiny": (1, 8, 16), "odd": (7, 24, 40), "qwen_row": (3, 896, 64)}
+MLP_GPU = {"qwen05b": (4096, 896, 4864), "one_row": (1, 896, 4864), "odd": (4097, 1000, 2000)}
