@@ -375,3 +375,33 @@ def test_error_while_patching_leaves_model_unpatched(qwen2, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         forge.patch(qwen2)
     assert not instance_forwards(qwen2) and not hasattr(qwen2, "_forge_state")
+
+
+@pytest.mark.parametrize("backend", ops.BACKENDS)
+def test_train_mlp_is_one_node_unless_it_cannot_be(qwen2, backend):
+    # train mode with autograd on: the MLP runs as the gated MLP (one autograd node keeping no
+    # down-projection input); no grad, autocast, a hook on a projection or a biased projection
+    # run the projections as modules around the GLU kernel; every path gives eager's output
+    if not ops.availability(backend)[0]:
+        pytest.skip(ops.availability(backend)[1])
+    mlp = qwen2.model.layers[0].mlp
+    x = torch.randn(2, 3, qwen2.config.hidden_size, requires_grad=True)
+    want = type(mlp).forward(mlp, x)
+    forge.patch(qwen2, mode="train", backend=backend, min_elements=0)
+    y = mlp(x)
+    assert type(y.grad_fn).__name__ == "GatedMLPFunctionBackward"
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert mlp(x).grad_fn is None
+    dev = x.device.type
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        assert type(mlp(x).grad_fn).__name__ != "GatedMLPFunctionBackward"
+    h = mlp.up_proj.register_forward_hook(lambda m, i, o: None)
+    assert type(mlp(x).grad_fn).__name__ != "GatedMLPFunctionBackward"
+    h.remove()
+    assert type(mlp(x).grad_fn).__name__ == "GatedMLPFunctionBackward"
+    stats = qwen2._forge_guard_stats.as_dict()["swiglu"]
+    assert stats["fused"] == 5 and stats["fallback"] == 0  # the GLU kernel ran on every path
+    forge.unpatch(qwen2)
+    forge.patch(qwen2, mode="infer", backend=backend, min_elements=0)
+    assert type(mlp(x).grad_fn).__name__ != "GatedMLPFunctionBackward"  # infer: no gated MLP

@@ -32,12 +32,32 @@ def rmsnorm_forward(kernel, orig, eps_attr, casting, offset, threshold, ks):
     return forward
 
 
-def glu_forward(kernel, orig, width, threshold, ks):
+_PLAIN_PARAMS = (nn.Parameter, torch.Tensor)
+_module_mod = nn.modules.module
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: torch.is_autocast_enabled())
+
+
+def _plain_linear(m, dtype) -> bool:
+    """An nn.Linear without bias or hooks whose weight is a plain tensor of ``dtype`` (not an
+    FSDP2 DTensor shard, not quantized): the gated MLP may read its weight directly."""
+    return (type(m) is nn.Linear and m.bias is None and type(m.weight) in _PLAIN_PARAMS
+            and m.weight.dtype is dtype and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
+
+
+def glu_forward(kernel, mlp, act, orig, width, threshold, ks):
+    """``mlp`` (train mode): the gated MLP as one autograd node (forge.spec.gated_mlp), taken
+    when autograd is on and the three projections are plain bias-free Linears (no autocast, no
+    hooks, weights not sharded); otherwise the projections run as modules around ``kernel``."""
     def forward(self, x):
         # activation elements of the fused call: rows x intermediate width
         if x.numel() // x.shape[-1] * width >= threshold:
             ks.fused += 1
-            return self.down_proj(kernel(self.gate_proj(x), self.up_proj(x)))
+            gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
+            if (mlp is not None and torch.is_grad_enabled() and _plain_linear(gp, x.dtype)
+                    and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype) and not _any_autocast()
+                    and not (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks)):
+                return mlp(x, gp.weight, up.weight, dp.weight, act=act)
+            return dp(kernel(gp(x), up(x)))
         ks.fallback += 1
         return orig(self, x)
 

@@ -59,6 +59,14 @@ class Patcher:
             raise errors.BackendUnavailableError(hit)
         return _opaque(hit)
 
+    def companion(self, key: str, fn_name: str):
+        """Another function of the backend that runs ``key`` (e.g. the gated MLP beside swiglu),
+        opaque to torch.compile like :meth:`kernel`; None when that backend lacks it."""
+        try:
+            return _opaque(ops.get(fn_name, self.backend(key)))
+        except errors.BackendUnavailableError:
+            return None
+
     def min_elements(self, key: str) -> int:
         if key not in SHAPE_SENSITIVE:
             return 0
