@@ -27,14 +27,35 @@ _CHUNK_FRACTION = 16
 _CHUNK_MIN = 2**20
 
 
+_ONE_PASS: list = []  # [Triton's one-pass scaling kernel, or None], resolved on first use
+
+
+def _one_pass():
+    if not _ONE_PASS:
+        try:
+            from forge_triton.fused_linear_ce import _scale_kernel_launch
+        except Exception:  # noqa: BLE001 - no triton (or no compiler): torch's chunks below
+            _scale_kernel_launch = None
+        _ONE_PASS.append(_scale_kernel_launch)
+    return _ONE_PASS[0]
+
+
 def scale_(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """g *= c in place, in c's precision with one rounding to g's dtype. No host sync.
 
     On CUDA, torch's own ``g.mul_(c)`` casts the 0-dim device tensor c to g's dtype first, so a
     bf16 g would be scaled by c rounded to bf16 (a systematic error of up to 2^-9 on every
-    element); here a narrower g goes through c's dtype a chunk at a time (bounded scratch)."""
+    element), and no torch op scales a bf16 tensor by an fp32 device scalar in one pass. A
+    narrower contiguous CUDA g therefore goes through one small Triton kernel (read + write g
+    once) whichever backend produced it: triton ships with torch's CUDA builds. Without it, g
+    goes through c's dtype a chunk at a time (bounded scratch, 5x the traffic: 4.5 ms against
+    0.65 ms for a 128256 x 4096 bf16 grad_W on the H200)."""
     if g.element_size() >= c.element_size():  # c converts to g's dtype exactly
         return g.mul_(c)
+    if g.is_cuda and g.is_contiguous():
+        one_pass = _one_pass()
+        if one_pass is not None:
+            return one_pass(g, c)
     if not g.is_contiguous():
         return g.copy_(g.to(c.dtype) * c)  # not produced by forge's kernels; a full-size temp
     flat = g.view(-1)

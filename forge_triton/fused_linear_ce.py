@@ -137,15 +137,20 @@ def _flce_scale_kernel(g_ptr, c_ptr, numel, BLOCK: tl.constexpr):
     tl.store(g_ptr + offs, _common.cast(g.to(c.dtype) * c, g_ptr.dtype.element_ty), mask=mask)
 
 
-def _scale_(g, c):
-    """g *= c in place for forge._precomputed: one pass over g (read + write), where torch
-    needs a chunked round trip through c's dtype for a one-rounding result (5x the traffic)."""
-    if not g.is_contiguous():
-        return _precomputed.scale_(g, c)
+def _scale_kernel_launch(g, c):
+    """g *= c in place, g contiguous (forge._precomputed.scale_ calls it for CUDA tensors of
+    either backend): one pass over g (read + write), where torch needs a chunked round trip
+    through c's dtype for a one-rounding result (5x the traffic)."""
     if g.numel():
         block = 4096
-        _flce_scale_kernel[(triton.cdiv(g.numel(), block),)](g, c.contiguous(), g.numel(), BLOCK=block)
+        _flce_scale_kernel[(_common.cdiv(g.numel(), block),)](g, c.contiguous(), g.numel(), BLOCK=block)
     return g
+
+
+def _scale_(g, c):
+    """The scaling this backend's loss uses; on the CPU (interpreter) too, so the kernel is tested."""
+    return _scale_kernel_launch(g, c) if g.is_contiguous() and g.element_size() < c.element_size() \
+        else _precomputed.scale_(g, c)
 
 
 # ------------------------------------------------------------------------------- matmuls
