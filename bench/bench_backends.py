@@ -51,8 +51,10 @@ def _liger(key):
 
 def _impl(key, backend):
     if backend == "eager":
+        from forge.spec import gated_mlp
+
         return {"rmsnorm": rmsnorm.reference, "swiglu": swiglu.reference, "geglu": geglu.reference,
-                "rope": rope.reference}[key]
+                "rope": rope.reference, "gated_mlp": gated_mlp.reference}[key]
     if backend == "liger":
         return _liger(key)
     ok, _ = ops.availability(backend)
@@ -67,6 +69,11 @@ def _case(key, shape, dtype, dev):
         x = torch.randn(m, n, device=dev, dtype=dtype)
         w = torch.randn(n, device=dev, dtype=dtype)
         return [x, w], (0, 1), 2 * m * n * b + 4 * m, 3 * m * n * b + 4 * m
+    if key == "gated_mlp":  # (rows, hidden, intermediate): x, w_gate, w_up, w_down
+        m, h, i = shape
+        x = torch.randn(m, h, device=dev, dtype=dtype)
+        ws = [torch.randn(*s, device=dev, dtype=dtype) * s[1] ** -0.5 for s in ((i, h), (i, h), (h, i))]
+        return [x, *ws], (0, 1, 2, 3), (2 * m * h + 3 * h * i) * b, (4 * m * h + 6 * h * i) * b
     if key in ("swiglu", "geglu"):
         m, n = shape
         g = torch.randn(m, n, device=dev, dtype=dtype)

@@ -5,7 +5,8 @@ of Python per call is ~1.4 ms per forward. This times, at a tiny shape (the GPU 
 kernel long before the host issues the next), a stream of calls of:
 
   eager        the torch ops the kernel replaces (HF's RMSNorm module, silu(g) * u)
-  launch       the raw ``kernel[grid](...)`` launch into a preallocated output
+  launch       the raw ``kernel[grid](...)`` launch into a preallocated output (Triton's path)
+  fast         the same launch through forge_triton._launch.FastKernel (forge's path)
   alloc        the output allocation alone
   check        the spec's argument checks + the device check
   fn           the public function (checks, allocation, autograd.Function, launch), no grad
@@ -78,8 +79,16 @@ def cases(dev, dtype):
         rmsnorm._rmsnorm_fwd_kernel[(rows,)](x, w, y, rstd, x.stride(0), y.stride(0), rows, width, 1e-6, 0.0,
                                             BLOCK_M=1, BLOCK_N=1024, num_warps=4, GEMMA=False, ACC=acc)
 
+    def rms_fast():
+        rmsnorm._fwd[(rows,)](x, w, y, rstd, x.stride(0), y.stride(0), rows, width, 1e-6, 0.0,
+                              BLOCK_M=1, BLOCK_N=1024, num_warps=4, GEMMA=False, ACC=acc)
+
+    def glu_fast():
+        glu._fwd[(-(-g.numel() // glu.BLOCK),)](g, u, gy, g.numel(), BLOCK=glu.BLOCK, GELU=False, ACC=acc,
+                                                num_warps=8)
+
     def glu_launch():
-        glu._glu_fwd_kernel[glu._grid(g.numel())](g, u, gy, g.numel(), BLOCK=glu.BLOCK, GELU=False, ACC=acc,
+        glu._glu_fwd_kernel[(-(-g.numel() // glu.BLOCK),)](g, u, gy, g.numel(), BLOCK=glu.BLOCK, GELU=False, ACC=acc,
                                                   num_warps=8)
 
     def no_grad(fn, *a):
@@ -90,6 +99,7 @@ def cases(dev, dtype):
 
     yield "rmsnorm", "eager", no_grad(hf, x)
     yield "rmsnorm", "launch", rms_launch
+    yield "rmsnorm", "fast", rms_fast
     yield "rmsnorm", "alloc", lambda: (torch.empty_like(x), torch.empty(rows, device=dev, dtype=torch.float32))
     yield "rmsnorm", "check", lambda: (rms_spec.check(x, w, 1e-6, "llama", 0.0), _common.check_device(x=x, weight=w))
     yield "rmsnorm", "fn", no_grad(rmsnorm.rmsnorm, x, w, 1e-6)
@@ -97,6 +107,7 @@ def cases(dev, dtype):
     yield "rmsnorm", "fn+bwd", _with_bwd(lambda a, b: rmsnorm.rmsnorm(a, b, 1e-6), [x, w])
     yield "swiglu", "eager", no_grad(lambda: F.silu(g) * u)
     yield "swiglu", "launch", glu_launch
+    yield "swiglu", "fast", glu_fast
     yield "swiglu", "alloc", lambda: torch.empty_like(g)
     yield "swiglu", "check", lambda: (swi_spec.check(g, u), _common.check_device(gate=g, up=u))
     yield "swiglu", "fn", no_grad(glu.swiglu, g, u)

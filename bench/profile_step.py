@@ -35,9 +35,13 @@ def _profile(step, top):
     with profile(activities=acts) as prof:
         step()
         bc.sync()
+    from torch.autograd import DeviceType
+
     avg = prof.key_averages()
-    dev = [(e.key, e.self_device_time_total / 1e3, e.count) for e in avg if e.self_device_time_total > 0]
-    host = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in avg]
+    # kernels only: a CPU op's row also carries its kernels' time (counting both doubles it)
+    dev = [(e.key, e.self_device_time_total / 1e3, e.count) for e in avg
+           if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    host = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in avg if e.device_type == DeviceType.CPU]
     dev.sort(key=lambda r: -r[1])
     host.sort(key=lambda r: -r[1])
     return {
