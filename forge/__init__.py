@@ -15,20 +15,26 @@ from .errors import BackendUnavailableError, UnsupportedModelError  # noqa: E402
 # backend: an int, a dict kernel key -> int, or a dict mode ("infer"/"train") -> either. Read at
 # patch time; ``forge.patch(min_elements=...)`` overrides it (0 = always fuse).
 #
-# Calibrated on one H200 host with bench/bench_guard.py (bench/results/bench_guard-h200-
-# 20261130-074132.* and -0750*: streams of calls, eager and fused timed alternately): the
-# smallest size from which the fused call was at least as fast as eager at every larger size of
-# the sweep, or NEVER where it was not (there the host cost of a call, ~30 us Triton forward
-# and ~250 us forward + backward, ~0.2 ms / ~1.5 ms bridged Pallas, exceeds what the kernel
-# saves on the device up to the largest size swept: 16384 x 4864 for the GLUs, 16384 x 896
-# for RMSNorm, (1, 14 + 2, 4096, 64) for RoPE).
+# Calibrated on one H200 host with bench/bench_guard.py (streams of calls, eager and fused timed
+# alternately): the smallest size from which the fused call was at least as fast as eager at
+# every larger size of the sweep, or NEVER where it was not (there the host cost of a call
+# exceeds what the kernel saves on the device up to the largest size swept). rmsnorm, rope and
+# the GLUs in inference: bench/results/bench_guard-h200-20261130-074132.* and -0750*. The GLU
+# keys in training run the whole MLP as one node (forge.spec.gated_mlp), swept as such:
+# bench_guard-h200-20261130-083633.* (triton from 8192 x 4864; pallas from 16384 x 4864).
+# Below its crossover the gated MLP still saves one rows x 4864 activation per layer (train
+# 4x1024: 30% of eager's peak memory instead of 42%) for ~0.1 ms of host time per layer call:
+# ``min_elements={"swiglu": 0}`` takes that trade.
 NEVER = 1 << 62
 MIN_FUSED_ELEMENTS: dict = {
     "triton": {
         "infer": {"rmsnorm": 0, "rope": 0, "swiglu": 4096 * 4864, "geglu": 4096 * 4864},
-        "train": {"rmsnorm": 0, "rope": 0, "swiglu": 16384 * 4864, "geglu": 16384 * 4864},
+        "train": {"rmsnorm": 0, "rope": 0, "swiglu": 8192 * 4864, "geglu": 8192 * 4864},
     },
-    "pallas": NEVER,
+    "pallas": {
+        "infer": NEVER,
+        "train": {"rmsnorm": NEVER, "rope": NEVER, "swiglu": 16384 * 4864, "geglu": 16384 * 4864},
+    },
 }
 
 

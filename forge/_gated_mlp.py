@@ -18,10 +18,12 @@ reading overwritten activations. Imports torch only.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
@@ -33,38 +35,48 @@ class ActOps:
     device_type: str  # autocast is turned off inside the node for this device type
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: torch.is_autocast_enabled())
+_NULL = contextlib.nullcontext()
+
+
+def _no_autocast(ops):
+    """Autocast off inside the node (the products run in the inputs' dtype), entered only when
+    autocast is on: the context manager costs microseconds of host time per call."""
+    return torch.autocast(ops.device_type, enabled=False) if _any_autocast() else _NULL
+
+
 class GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, ops):
-        with torch.autocast(ops.device_type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1])
-            g = torch.mm(x2, w_gate.t())
-            u = torch.mm(x2, w_up.t())
-            y = torch.mm(ops.act(g, u), w_down.t())  # h dies here
-        ctx.save_for_backward(x2, g, u, w_gate, w_up, w_down)
-        ctx.ops, ctx.x_shape = ops, x.shape
-        return y.view(*x.shape[:-1], y.shape[-1])
+        with _no_autocast(ops):
+            g = F.linear(x, w_gate)  # (..., I); F.linear: one dispatcher call per product
+            u = F.linear(x, w_up)
+            y = F.linear(ops.act(g, u), w_down)  # h dies here
+        ctx.save_for_backward(x, g, u, w_gate, w_up, w_down)
+        ctx.ops = ops
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x2, g, u, w_gate, w_up, w_down = ctx.saved_tensors
+        x, g, u, w_gate, w_up, w_down = ctx.saved_tensors
         ops, need = ctx.ops, ctx.needs_input_grad
-        with torch.autocast(ops.device_type, enabled=False):
+        with _no_autocast(ops):
             dy2 = dy.reshape(-1, dy.shape[-1])
             dh = torch.mm(dy2, w_down)  # (M, I)
-            dg, du, h = ops.act_bwd(dh, g, u)
+            dg, du, h = ops.act_bwd(dh, g.view(dh.shape), u.view(dh.shape))
             if ops.inplace:
                 torch.autograd.graph.increment_version((g, u))
             d_down = torch.mm(dy2.t(), h) if need[3] else None
             del h
+            x2 = x.reshape(-1, x.shape[-1])
             d_gate = torch.mm(dg.t(), x2) if need[1] else None
             d_up = torch.mm(du.t(), x2) if need[2] else None
             dx = None
             if need[0]:
                 dx = torch.mm(dg, w_gate)
                 dx.addmm_(du, w_up)
-                dx = dx.view(ctx.x_shape)
+                dx = dx.view(x.shape)
         return dx, d_gate, d_up, d_down, None
 
 
@@ -73,7 +85,5 @@ def apply(ops: ActOps, x, w_gate, w_up, w_down):
     if torch.is_grad_enabled() and (x.requires_grad or w_gate.requires_grad or w_up.requires_grad
                                     or w_down.requires_grad):
         return GatedMLPFunction.apply(x, w_gate, w_up, w_down, ops)
-    with torch.autocast(ops.device_type, enabled=False):
-        x2 = x.reshape(-1, x.shape[-1])
-        y = torch.mm(ops.act(torch.mm(x2, w_gate.t()), torch.mm(x2, w_up.t())), w_down.t())
-    return y.view(*x.shape[:-1], y.shape[-1])
+    with _no_autocast(ops):
+        return F.linear(ops.act(F.linear(x, w_gate), F.linear(x, w_up)), w_down)

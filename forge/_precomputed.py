@@ -30,6 +30,9 @@ _CHUNK_MIN = 2**20
 _ONE_PASS: list = []  # [Triton's one-pass scaling kernel, or None], resolved on first use
 
 
+_WARM: set = set()  # dtypes the one-pass kernel was compiled for on the calling thread
+
+
 def _one_pass():
     if not _ONE_PASS:
         try:
@@ -38,6 +41,19 @@ def _one_pass():
             _scale_kernel_launch = None
         _ONE_PASS.append(_scale_kernel_launch)
     return _ONE_PASS[0]
+
+
+def _prepare_scale(*ts) -> None:
+    """Import and compile the one-pass kernel for these gradients' dtypes now, on the forward's
+    thread: the backward runs on autograd's device thread, where neither should happen first
+    (a Pallas-backend process that had not imported Triton aborted there on the H200)."""
+    for t in ts:
+        if t is None or not t.is_cuda or t.dtype in _WARM or t.element_size() >= 4:
+            continue
+        one_pass = _one_pass()
+        if one_pass is not None:
+            one_pass(torch.zeros(64, dtype=t.dtype, device=t.device), torch.ones((), device=t.device))
+        _WARM.add(t.dtype)
 
 
 def scale_(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -108,4 +124,6 @@ def apply(compute, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if not (grad and (hidden.requires_grad or weight.requires_grad
                       or (bias is not None and bias.requires_grad))):
         return compute(False, False, False)[0]
+    if scale is scale_:
+        _prepare_scale(weight, bias)
     return PrecomputedGradLoss.apply(compute, scale, hidden, weight, bias)

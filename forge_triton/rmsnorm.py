@@ -75,12 +75,28 @@ def _rmsnorm_bwd_kernel(
     tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
 
+@triton.jit
+def _dw_reduce_kernel(part_ptr, dw_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # dw[cols] = sum over the P partial rows, rounded once to dw's dtype (one launch where
+    # torch needs a sum and a cast)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=part_ptr.dtype.element_ty)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        m = (rows < P)[:, None] & cmask[None, :]
+        acc += tl.sum(tl.load(part_ptr + rows[:, None] * N + cols[None, :], mask=m, other=0.0), axis=0)
+    tl.store(dw_ptr + cols, cast(acc, dw_ptr.dtype.element_ty), mask=cmask)
+
+
 # Launch shape: about TILE elements per program step; tuned on the H200 (bench/tune_rmsnorm.py)
 TILE = 4096
 BWD_PROGS_PER_SM = 4
 
 _fwd = _launch.FastKernel(_rmsnorm_fwd_kernel)
 _bwd = _launch.FastKernel(_rmsnorm_bwd_kernel)
+_dw_reduce = _launch.FastKernel(_dw_reduce_kernel)
+DW_BLOCK_N = 128
 _CFG: dict[int, tuple[int, int, int]] = {}
 
 
@@ -144,8 +160,9 @@ def rmsnorm_bwd(dy, x2, weight, rstd, casting, offset):
         BLOCK_M=block_m, BLOCK_N=block_n, GEMMA=casting == "gemma", ACC=_common.acc(x2.dtype),
         num_warps=warps,
     )
-    dw = dw_part.sum(0)
-    return dx, (dw if dw.dtype is weight.dtype else dw.to(weight.dtype))
+    dw = _common.empty((n,), weight.dtype, x2.device)
+    _dw_reduce[(-(-n // DW_BLOCK_N),)](dw_part, dw, progs, n, BLOCK_P=32, BLOCK_N=DW_BLOCK_N, num_warps=4)
+    return dx, dw
 
 
 class RMSNormFunction(torch.autograd.Function):
