@@ -88,9 +88,13 @@ def run_one(case: str, impl: str, iters: int, warmup: int, profile: bool = False
         loss.backward()
         return loss
 
-    for _ in range(warmup):
+    t0 = time.perf_counter()
+    for i in range(warmup):
         step()
         h.grad = w.grad = None
+        if i == 0:
+            sync()
+            first_call_s = time.perf_counter() - t0  # compiles included (Triton, XLA)
     sync()
     # memory: one step from a clean peak counter, inputs already allocated
     base = torch.cuda.memory_allocated() if cuda else 0
@@ -126,7 +130,7 @@ def run_one(case: str, impl: str, iters: int, warmup: int, profile: bool = False
             "ms_min": min(times), "extra_mib": extra / 2**20, "torch_extra_mib": torch_extra / 2**20,
             "jax_peak_mib": None if jax_peak is None else jax_peak / 2**20,
             "tflops_useful": useful / ms / 1e9, "loss": loss_val, "grad_h_norm": gnorm[0],
-            "grad_w_norm": gnorm[1], "times": times,
+            "grad_w_norm": gnorm[1], "times": times, "first_call_s": first_call_s if warmup else None,
             **({"top_kernels": kernels} if kernels else {})}
 
 
@@ -193,7 +197,7 @@ def main():
                 r["loss_diff_vs_eager"] = abs(r["loss"] - eager["loss"])
                 if r["impl"] in ("triton", "pallas"):
                     r["meets_target"] = r["time_vs_eager"] <= 1.1 and (r["mem_vs_eager"] or 0) <= 0.1
-    cols = ["case", "impl", "ms", "extra_mib", "jax_peak_mib", "tflops_useful", "time_vs_eager",
+    cols = ["case", "impl", "ms", "first_call_s", "extra_mib", "jax_peak_mib", "tflops_useful", "time_vs_eager",
             "mem_vs_eager", "loss", "loss_diff_vs_eager", "meets_target", "skipped"]
     _common.print_table(rows, cols)
     jpath, cpath = _common.write_results("flce", rows, {"cases": {k: CASES[k] for k in args.cases.split(",")},
