@@ -122,5 +122,6 @@ class FastKernel:
             elif p.has_default:
                 tail.append(p.default)
             else:
-                raise TypeError(f"{self.kernel.fn.__name__}: parameter {p.name} not given")
+                name = getattr(getattr(self.kernel, "fn", None), "__name__", repr(self.kernel))
+                raise TypeError(f"{name}: parameter {p.name} not given")
         return ck, ck.run, tuple(tail)

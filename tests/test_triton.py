@@ -87,3 +87,59 @@ def test_wrong_device_is_a_clear_error():
         x, w = torch.randn(2, 8, device=other), torch.randn(8, device=other)
     with pytest.raises(ValueError, match="triton backend here runs on"):
         forge_triton.rmsnorm(x, w)
+
+
+# ---------------------------------------------------------------- the cached launch path
+def test_fast_launch_key_refines_triton_specialisation(device):
+    # Two calls may share a compiled kernel only if Triton would specialise them alike: dtype and
+    # 16-byte alignment per tensor; per int its type, == 1, multiple of 16, 32-bit range
+    from forge_triton import _launch
+
+    key = _launch._arg_key
+    t = torch.zeros(64, device=device)
+    assert key(t) == key(torch.zeros(32, device=device))
+    assert key(t) != key(t[1:])  # 4 bytes in: not 16-byte aligned
+    assert key(t) != key(t.double()) and key(t) != key(t.half())
+    assert key(16) == key(4096) and key(16) != key(17) and key(1) != key(17)
+    assert key(16) != key(2**32) and key(2**32) == key(2**33)
+    assert key(True) != key(1) and key(1.0) == key(2.5) and key(1.0) != key(1)
+    assert key(None) == key(None)
+
+
+def test_fast_launch_passes_constexprs_in_signature_order():
+    # the compiled launcher takes every parameter in order, constexprs included, defaults filled
+    from forge_triton import _launch
+
+    class P:
+        def __init__(self, name, default=None):
+            self.name, self.has_default, self.default = name, default is not None, default
+
+    class Kernel:
+        arg_names = ["x", "n", "BLOCK", "FLAG", "ACC"]
+        params = [P("x"), P("n"), P("BLOCK"), P("FLAG", default=True), P("ACC")]
+
+    class Compiled:
+        run = object()
+
+    fk = _launch.FastKernel(Kernel())
+    _, run, tail = fk._entry(Compiled(), ("x", 3), {"ACC": "fp32", "BLOCK": 128, "num_warps": 4})
+    assert run is Compiled.run and tail == (128, True, "fp32")
+    with pytest.raises(TypeError, match="BLOCK"):
+        fk._entry(Compiled(), ("x", 3), {"ACC": "fp32"})
+
+
+def test_fast_launch_matches_the_plain_launch(device):
+    # the same kernel through FastKernel and through Triton's own launch, twice (the second
+    # FastKernel call takes the cached path on a GPU), on aligned and misaligned views
+    from forge_triton import _common, glu
+
+    g, u = torch.randn(2, 4099, device=device), torch.randn(2, 4099, device=device)
+    for gs, us in ((g, u), (g.view(-1)[1:4097], u.view(-1)[3:4099])):
+        want = torch.empty_like(gs)
+        glu._glu_fwd_kernel[(_common.cdiv(gs.numel(), glu.BLOCK),)](
+            gs, us, want, gs.numel(), BLOCK=glu.BLOCK, GELU=False, ACC=_common.acc(gs.dtype), num_warps=8)
+        for _ in range(2):
+            got = torch.full_like(gs, float("nan"))
+            glu._fwd[(_common.cdiv(gs.numel(), glu.BLOCK),)](
+                gs, us, got, gs.numel(), BLOCK=glu.BLOCK, GELU=False, ACC=_common.acc(gs.dtype), num_warps=8)
+            assert torch.equal(got, want)
