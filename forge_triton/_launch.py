@@ -82,12 +82,11 @@ class FastKernel:
     Positional arguments are the kernel's runtime ones (in order); the constexpr parameters and
     launch options (num_warps, ...) are keywords. ``fk.kernel`` is the wrapped JITFunction."""
 
-    __slots__ = ("kernel", "_cache", "_names")
+    __slots__ = ("kernel", "_cache")
 
     def __init__(self, kernel):
         self.kernel = kernel
         self._cache: dict = {}
-        self._names = list(kernel.arg_names)
 
     def __getitem__(self, grid):
         if not FAST:
