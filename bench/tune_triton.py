@@ -25,6 +25,7 @@ P = importlib.import_module("forge_triton.rope")
 
 def _rms(shape, tile, progs_per_sm):
     R.TILE, R.BWD_PROGS_PER_SM = tile, progs_per_sm
+    R._CFG.clear()  # launch configs are cached per width
     m, n = shape
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
