@@ -70,3 +70,20 @@ def test_guard_crossover_rule():
     assert crossover(sizes, [5, 5, 5, 5, 5], [4, 6, 5, 3, 1]) == 4
     assert crossover(sizes, [1] * 5, [2] * 5) is None
     assert crossover(sizes, [2] * 5, [1] * 5) == 1
+
+
+@pytest.mark.slow
+def test_profile_step_quick(tmp_path):
+    _run("profile_step.py", ["--quick", "--variants", "eager,rmsnorm"], tmp_path)
+    rows = _rows(tmp_path, "profile_step")
+    assert [r["variant"] for r in rows] == ["eager", "rmsnorm"]
+    assert {"ms", "device_busy_ms", "host_self_ms", "top_host"} <= rows[0].keys()
+    assert all(float(r["ms"]) > 0 and float(r["host_self_ms"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_guard_gated_mlp_quick(tmp_path):
+    # the MLP sweep's elements are rows x intermediate, the guard's metric for swiglu/geglu
+    _run("bench_guard.py", ["--quick", "--kernels", "gated_mlp", "--backends", "triton"], tmp_path)
+    rows = _rows(tmp_path, "bench_guard")
+    assert {int(r["elements"]) for r in rows} == {1 * 4864, 4 * 4864}
