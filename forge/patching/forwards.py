@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._gated_mlp import _any_autocast
+
 
 def rmsnorm_forward(kernel, orig, eps_attr, casting, offset, threshold, ks):
     def forward(self, x):
@@ -34,7 +36,6 @@ def rmsnorm_forward(kernel, orig, eps_attr, casting, offset, threshold, ks):
 
 _PLAIN_PARAMS = (nn.Parameter, torch.Tensor)
 _module_mod = nn.modules.module
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: torch.is_autocast_enabled())
 
 
 def _plain_linear(m, dtype) -> bool:
