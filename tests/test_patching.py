@@ -11,6 +11,7 @@ from forge import _runtime
 _runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
 
 import copy  # noqa: E402
+import types  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -378,7 +379,7 @@ def test_error_while_patching_leaves_model_unpatched(qwen2, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ops.BACKENDS)
-def test_train_mlp_is_one_node_unless_it_cannot_be(qwen2, backend):
+def test_train_mlp_is_one_node_unless_it_cannot_be(qwen2, backend, monkeypatch):
     # train mode with autograd on: the MLP runs as the gated MLP (one autograd node keeping no
     # down-projection input); no grad, autocast, a hook on a projection or a biased projection
     # run the projections as modules around the GLU kernel; every path gives eager's output
@@ -403,5 +404,20 @@ def test_train_mlp_is_one_node_unless_it_cannot_be(qwen2, backend):
     stats = qwen2._forge_guard_stats.as_dict()["swiglu"]
     assert stats["fused"] == 5 and stats["fallback"] == 0  # the GLU kernel ran on every path
     forge.unpatch(qwen2)
+    forge.unpatch(qwen2)
     forge.patch(qwen2, mode="infer", backend=backend, min_elements=0)
-    assert type(mlp(x).grad_fn).__name__ != "GatedMLPFunctionBackward"  # infer: no gated MLP
+    assert type(mlp(x).grad_fn).__name__ != "GatedMLPFunctionBackward"  # infer: no gated MLP node
+    # without autograd (either mode) the projections are bare F.linear calls, not module calls,
+    # unless a projection's forward is overridden on the instance
+    calls = []
+    orig_linear = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda m, t: calls.append(m) or orig_linear(m, t))
+    with torch.no_grad():
+        assert torch.allclose(mlp(x), want, rtol=1e-5, atol=1e-6) and calls == []
+        mlp.gate_proj.forward = types.MethodType(torch.nn.Linear.forward, mlp.gate_proj)
+        assert torch.allclose(mlp(x), want, rtol=1e-5, atol=1e-6) and len(calls) == 3
+        del mlp.gate_proj.forward
+    with torch.enable_grad():  # infer mode under autograd: the modules
+        calls.clear()
+        mlp(x)
+        assert len(calls) == 3

@@ -260,14 +260,15 @@ def _apply_glu(p, arch, mlps):
     if kernel is None:
         return
     thr, ks = p.min_elements(key), p.stats.counter(key)
-    # train mode: the whole MLP as one node that keeps one activation less (forge.spec.gated_mlp)
-    mlp = p.companion(key, "gated_mlp") if p.mode == "train" else None
+    # the whole MLP in one call (forge.spec.gated_mlp): under autograd one node that keeps one
+    # activation less; without it the three products as bare F.linear calls around the kernel
+    mlp = p.companion(key, "gated_mlp")
     act = "silu" if key == "swiglu" else "gelu_tanh"
     for mod in mlps:
         if p.is_replaced(mod) or not all(isinstance(getattr(mod, n, None), nn.Module) for n in _arch.MLP_PROJ):
             continue
         width = getattr(mod.gate_proj, "out_features", None) or mod.intermediate_size
-        fwd = fw.glu_forward(kernel, mlp, act, type(mod).forward, width, thr, ks)
+        fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod).forward, width, thr, ks)
         p.replace_forward(mod, key, types.MethodType(fwd, mod))
     if key not in p.counts:
         p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")

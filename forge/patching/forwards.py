@@ -39,22 +39,25 @@ _module_mod = nn.modules.module
 
 
 def _plain_linear(m, dtype) -> bool:
-    """An nn.Linear without bias or hooks whose weight is a plain tensor of ``dtype`` (not an
-    FSDP2 DTensor shard, not quantized): the gated MLP may read its weight directly."""
+    """An nn.Linear without bias, hooks or an instance-level forward whose weight is a plain
+    tensor of ``dtype`` (not an FSDP2 DTensor shard, not quantized): the gated MLP may read its
+    weight directly."""
     return (type(m) is nn.Linear and m.bias is None and type(m.weight) in _PLAIN_PARAMS
-            and m.weight.dtype is dtype and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
+            and m.weight.dtype is dtype and "forward" not in m.__dict__  # (no instance override)
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
 
 
-def glu_forward(kernel, mlp, act, orig, width, threshold, ks):
-    """``mlp`` (train mode): the gated MLP as one autograd node (forge.spec.gated_mlp), taken
-    when autograd is on and the three projections are plain bias-free Linears (no autocast, no
-    hooks, weights not sharded); otherwise the projections run as modules around ``kernel``."""
+def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks):
+    """``mlp``: the gated MLP (forge.spec.gated_mlp): in train mode one autograd node under
+    autograd; without autograd (either mode) bare F.linear calls around the kernel (no module
+    call overhead). Taken when the three projections are plain bias-free Linears (no autocast,
+    no hooks, weights not sharded); otherwise the projections run as modules around ``kernel``."""
     def forward(self, x):
         # activation elements of the fused call: rows x intermediate width
         if x.numel() // x.shape[-1] * width >= threshold:
             ks.fused += 1
             gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
-            if (mlp is not None and torch.is_grad_enabled() and _plain_linear(gp, x.dtype)
+            if (mlp is not None and (train or not torch.is_grad_enabled()) and _plain_linear(gp, x.dtype)
                     and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype) and not _any_autocast()
                     and not (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks)):
                 return mlp(x, gp.weight, up.weight, dp.weight, act=act)
