@@ -13,6 +13,7 @@ Writes bench/results/bench_patch_bisect-<gpu>-<stamp>.{json,csv,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -111,6 +112,9 @@ def _run(name, model, a, ids, compile_=False):
     return row
 
 
+ALT = " (alt guard)"  # the --alt-min-elements variant's label ends so
+
+
 def _rounds(variants, model, a, ids):
     """Time the patchable variants (eager, each kernel, all) in ``a.rounds`` rotations, patching
     and unpatching each time: this host's step time drifts by tens of percent over minutes and
@@ -123,7 +127,8 @@ def _rounds(variants, model, a, ids):
         for label, ks in variants:
             row = rows[label]
             if ks is not False:
-                forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements, kernels=ks)
+                min_el = a.alt_min_elements if label.endswith(ALT) else a.min_elements
+                forge.patch(model, mode=a.mode, backend=a.backend, min_elements=min_el, kernels=ks)
                 row["note"] = f"patched {dict(model._forge_patched_counts)}"
             _reset_peak()
             ts = _time(_step_fn(model, a.mode, ids), a.steps, a.warmup if r == 0 else 1)
@@ -178,6 +183,8 @@ def main(argv=None):
     p.add_argument("--backend", default="triton", choices=["triton", "pallas"])
     p.add_argument("--guard-stats", action="store_true")
     p.add_argument("--min-elements", type=int, default=None)
+    p.add_argument("--alt-min-elements", type=json.loads, default=None, metavar="JSON",
+                   help='also time every kernel under this guard in the same rotation, e.g. \'{"swiglu": 0}\'')
     p.add_argument("--lora", action="store_true", help="peft LoRA r=16 on q,k,v,o,gate,up,down")
     p.add_argument("--compile", action="store_true", help="also torch.compile(model) and forge under compile")
     p.add_argument("--liger", action="store_true", help="also Liger-Kernel (runs last: it patches globally)")
@@ -209,6 +216,8 @@ def main(argv=None):
     # False: unpatched; a list: those kernels alone; None: every kernel
     variants = [(base, False)] + ([] if a.no_single else [(f"forge {a.backend}: {k}", [k]) for k in keys])
     variants.append((f"forge {a.backend}: all", None))
+    if a.alt_min_elements is not None:
+        variants.append((f"forge {a.backend}: all, min_elements={json.dumps(a.alt_min_elements)}{ALT}", None))
     rows = _rounds(variants, model, a, ids)
     if a.compile and dev.type == "cuda":
         rows.append(_run("torch.compile", model, a, ids, compile_=True))
