@@ -24,6 +24,9 @@ from . import core
 # XLA keeps more scratch live around the tiled loop than the Triton path (measured on the H200:
 # 814 MiB extra at 4096 x 896 x 151936 with the Triton path's 1/16), so its tiles are narrower
 LOGITS_FRACTION = 1 / 32
+# Row chunks (forge.spec.fused_linear_ce.row_chunk): dL/dz is a separate (C, V) buffer here
+# (the Triton path writes it over the logits), so the chunks are 1/16 of the rows, not 1/10
+ROW_CHUNKS = 16
 
 # inputs: hidden, weight, labels, div[, bias]; weight and bias views are cached (hidden, labels
 # and div are fresh each call: bridge/core.py's rule 1). Only its jitted forward is used
@@ -33,7 +36,14 @@ FLCE = core.KernelDef("fused_linear_ce", fwd=_k.flce_fwd, bwd=None, diff=(), cac
 
 def _compute(tensors, static, need_h, need_w, need_b):
     """(loss, grad_h fp32 | None, grad_W | None, grad_b | None) as torch tensors."""
-    skey = tuple(dict(static, grads_for=(need_h, need_w, need_b)).items())
+    static = dict(static)
+    rows = static.pop("chunk_rows")
+    if static["tile_vocab"] is None:  # the strategy depends on whether gradients are wanted
+        n, v = tensors[0].shape[0], tensors[1].shape[0]
+        rows = spec.row_chunk(n, v, rows, need_grad=need_h or need_w or need_b, chunks=ROW_CHUNKS)
+        if rows is None:
+            static["tile_vocab"] = spec.tile_width(n, v, logits_fraction=LOGITS_FRACTION)
+    skey = tuple(dict(static, grads_for=(need_h, need_w, need_b), chunk_rows=rows).items())
     (loss,), res = FLCE.fwd_fn(skey)(*core._inputs_to_jax(FLCE, tensors))
     # every output through torch.from_dlpack before returning (bridge/core.py's rule 2)
     loss, it = core.to_torch(loss), iter([core.to_torch(r) for r in res])
@@ -42,19 +52,23 @@ def _compute(tensors, static, need_h, need_w, need_b):
 
 def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
                     num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0,
-                    tile_vocab=None):
+                    tile_vocab=None, chunk_rows=None):
     """Pallas fused linear cross-entropy with the signature of
-    ``forge.spec.fused_linear_ce.reference``; ``tile_vocab`` (extra, optional) fixes the width of
-    the vocabulary tiles, else they are sized by ``forge.spec.fused_linear_ce.tile_width``."""
+    ``forge.spec.fused_linear_ce.reference``. Extra, optional: ``tile_vocab`` walks vocabulary
+    tiles of that width, ``chunk_rows`` row chunks of that many rows (at most one of them);
+    neither, and ``forge.spec.fused_linear_ce.row_chunk`` picks (with ROW_CHUNKS chunks), the
+    tiles sized by ``tile_width``."""
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
-    tile_vocab = spec.tile_width(hidden.shape[0], weight.shape[0], tile_vocab,
-                                 logits_fraction=LOGITS_FRACTION)
+    spec.check_strategy(tile_vocab, chunk_rows)
+    if tile_vocab is not None:
+        tile_vocab = spec.tile_width(hidden.shape[0], weight.shape[0], tile_vocab)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     div = spec.divisor(labels, ignore_index, reduction, num_items_in_batch, acc, hidden.device)
     static = dict(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
-                  label_smoothing=float(label_smoothing), z_loss=float(z_loss), tile_vocab=tile_vocab)
+                  label_smoothing=float(label_smoothing), z_loss=float(z_loss), tile_vocab=tile_vocab,
+                  chunk_rows=chunk_rows)
     tensors = (hidden, weight, labels, div) + (() if bias is None else (bias,))
 
     def compute(need_h, need_w, need_b):

@@ -10,7 +10,8 @@ walked in tiles of Vc columns over all rows, so the (N, V) logits never exist.
           grad_W[tile] = dz^T @ h (written once) and grad_h += dz @ W[tile] (fp32 carry).
 
 Full tiles run in a ``fori_loop`` (one compiled body whatever V is); a ragged last tile runs
-once after it with its own static width. Gradients come out of the forward unscaled (the loss
+once after it with its own static width. With ``chunk_rows`` the row-chunk strategy runs
+instead (``_flce_rows``: eager's three products per chunk of rows, all columns at once). Gradients come out of the forward unscaled (the loss
 is a scalar); the caller scales them by the loss's cotangent (bridge/fused_linear_ce.py hands
 them to forge._precomputed, which does it in place on the torch side). Pure JAX, no torch.
 """
@@ -164,9 +165,15 @@ def _over_tiles(v, vc, step, carry):
 
 
 def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, label_smoothing,
-             z_loss, tile_vocab, grads_for):
+             z_loss, tile_vocab, grads_for, chunk_rows=None):
     """hidden (N, H), weight (V, H), labels (N,) int, div () float, bias (V,) | None ->
-    ((loss (),), residuals): the wanted ones of grad_h (N, H) fp32, grad_W (V, H), grad_b (V,)."""
+    ((loss (),), residuals): the wanted ones of grad_h (N, H) fp32, grad_W (V, H), grad_b (V,).
+    Row chunks of ``chunk_rows`` rows when it is given (:func:`_flce_rows`), else vocabulary
+    tiles of ``tile_vocab`` columns."""
+    if chunk_rows:
+        return _flce_rows(hidden, weight, labels, div, bias, ignore_index=ignore_index,
+                          softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
+                          chunk_rows=chunk_rows, grads_for=grads_for)
     n, hd = hidden.shape
     v = weight.shape[0]
     dt = hidden.dtype
@@ -220,3 +227,80 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
             jnp.zeros((v,), dt) if need_b else None)
     grads = _over_tiles(v, vc, pass2, init)
     return (loss,), tuple(x for x in grads if x is not None)  # the bridge keeps arrays only
+
+
+# grad_W's update per row chunk runs in this many slices of the vocabulary: XLA does not fold
+# ``grad_W + dz^T @ h`` into the product's epilogue here (measured on the H200: a separate add
+# and a whole (V, H) product alive beside grad_W, 12% of eager's memory at 16384 x 4096 x
+# 128256), so each slice's fp32 product is added and rounded once, one slice alive at a time
+GW_SLICES = 8
+
+
+def _add_gw(gw, g, h_c, *, dt, acc, prec):
+    """grad_W (+)= dz^T @ h[chunk]: the first chunk's product written directly; later ones in
+    GW_SLICES vocabulary slices, each an fp32 product added to grad_W's slice and rounded once,
+    chained through optimization barriers so one slice's product is alive at a time."""
+    if gw is None:
+        return jnp.dot(g.T, h_c, preferred_element_type=dt, precision=prec)  # (V, H)
+    v = gw.shape[0]
+    step = -(-v // GW_SLICES)
+    for v0 in range(0, v, step):
+        v1 = min(v0 + step, v)
+        gw, g, h_c = jax.lax.optimization_barrier((gw, g, h_c))
+        part = jnp.dot(g[:, v0:v1].T, h_c, preferred_element_type=acc, precision=prec)  # (Vs, H)
+        gw = jax.lax.dynamic_update_slice_in_dim(gw, (gw[v0:v1].astype(acc) + part).astype(dt), v0, 0)
+    return gw
+
+
+def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, label_smoothing, z_loss,
+               chunk_rows, grads_for):
+    """Row chunks, every column at once (the Triton backend's second strategy): per chunk of C
+    rows, z = h[chunk] @ W^T (C, V) fp32, the stats kernel over the whole row (one tile), the
+    grad kernel's dL/dz (C, V) in the input dtype, grad_h[chunk] = dz @ W and grad_W += dz^T @
+    h[chunk] (:func:`_add_gw`). Three products, eager's count; grad_W is rounded once per chunk. The
+    chunks are a static Python loop; each chunk's inputs pass through an optimization barrier
+    with the previous chunk's results, so XLA runs them one after another (one chunk's logits
+    alive at a time) instead of scheduling several at once."""
+    n, hd = hidden.shape
+    v = weight.shape[0]
+    dt = hidden.dtype
+    acc = C.acc_dtype(dt)
+    prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    eps = float(label_smoothing)
+    labels = labels.astype(jnp.int32)
+    valid = labels != ignore_index
+    need_h, need_w, need_b = grads_for
+    need_grad = need_h or need_w or need_b
+    div = div.astype(acc)
+    w_rows = jnp.where(valid, jnp.where(div == 0, 0, 1 / div), 0).astype(acc)  # (N,) row weights
+    coefs = dict(one_minus_eps=1.0 - eps, eps_over_v=eps / v, two_z_loss=2.0 * z_loss)
+    losses, gh_parts = [], []
+    gw = jnp.zeros_like(weight) if need_w and n == 0 else None
+    gb = jnp.zeros((v,), acc) if need_b else None
+    for r0 in range(0, n, chunk_rows):
+        r1 = min(r0 + chunk_rows, n)
+        h_all, w_all, (gw, gb) = jax.lax.optimization_barrier((hidden, weight, (gw, gb)))
+        h_c, y_c = h_all[r0:r1], labels[r0:r1]
+        z = jnp.dot(h_c, w_all.T, preferred_element_type=acc, precision=prec)  # (C, V)
+        zero = jnp.zeros((r1 - r0,), acc)
+        m, s, t, sz = _stats(z, bias, y_c, (jnp.full((r1 - r0,), -jnp.inf, acc), zero, zero, zero),
+                             softcap=softcap, smooth=eps > 0)
+        lse = m + jnp.log(s)
+        losses.append(lse - (1.0 - eps) * t - (eps / v) * sz + z_loss * lse * lse)
+        if not need_grad:
+            continue
+        g = _grad(z, bias, y_c, lse, w_rows[r0:r1], dt, softcap=softcap, **coefs)  # (C, V)
+        if need_h:
+            gh_parts.append(jnp.dot(g, w_all, preferred_element_type=acc, precision=prec))  # (C, H)
+        if need_w:
+            gw = _add_gw(gw, g, h_c, dt=dt, acc=acc, prec=prec)
+        if need_b:
+            gb = gb + jnp.sum(g.astype(acc), 0)
+    rows = jnp.concatenate(losses) if losses else jnp.zeros((0,), acc)
+    loss = jnp.sum(jnp.where(valid, rows, 0)) / div
+    if not need_grad:
+        return (loss,), ()
+    gh = (jnp.concatenate(gh_parts) if gh_parts else jnp.zeros((n, hd), acc)) if need_h else None
+    if gb is not None:
+        gb = gb.astype(dt)
+    return (loss,), tuple(x for x in (gh, gw, gb) if x is not None)

@@ -1,8 +1,9 @@
 """Fused linear cross-entropy in Triton + cuBLAS (spec: forge/spec/fused_linear_ce.py).
 
-The full (N, V) logits never exist. The vocabulary is walked in tiles of Vc columns, all rows
-at once, so every matmul is large (Liger chunks rows instead and its chunks shrink to ~32 rows
-at hidden 896):
+The full (N, V) logits never exist. Two strategies, picked by ``spec.row_chunk``:
+
+Vocabulary tiles (the default for short batches): the vocabulary is walked in tiles of Vc
+columns, all rows at once, so every matmul is large even at hidden 896:
 
   pass 1, per tile: z = h @ W[tile]^T in fp32 (cuBLAS); ``_flce_stats_kernel`` folds the tile
           into each row's running max / sum-exp, target logit and logit sum (smoothing); the
@@ -12,11 +13,18 @@ at hidden 896):
           then grad_W[tile] = dz^T @ h (one exact write per tile) and grad_h += dz @ W[tile]
           (fp32 accumulator).
 
-Four matmuls (less one tile's) instead of eager's three, and an (N, Vc) fp32 tile plus its
-bf16 dL/dz instead of the logits. The loss is a scalar, so the gradients are computed in the
-forward and the backward only scales them by grad_output, in place (forge/_precomputed.py: the
-autograd.Function both backends share; ``_scale_`` is its scaling here, one fused pass). Nothing
-reads a value back to the host: the mean's divisor is a device tensor the kernels load.
+  Four matmuls (less one tile's) instead of eager's three, and an (N, Vc) fp32 tile plus its
+  bf16 dL/dz instead of the logits.
+
+Row chunks (``_flce_rows``; the default once a chunk of N / 10 rows has at least 1024 rows):
+  per chunk of C rows, all V columns: z = h[chunk] @ W^T, both kernels on whole rows, dL/dz
+  written over z's own bytes, grad_h[chunk] = dz @ W and grad_W += dz^T @ h[chunk]. Eager's
+  three matmuls; grad_W is rounded once per chunk (about ten times) instead of once.
+
+The loss is a scalar, so the gradients are computed in the forward and the backward only
+scales them by grad_output, in place (forge/_precomputed.py: the autograd.Function both
+backends share; ``_scale_`` is its scaling here, one fused pass). Nothing reads a value back to
+the host: the mean's divisor is a device tensor the kernels load.
 """
 from __future__ import annotations
 
@@ -99,12 +107,16 @@ def _flce_stats_kernel(
 # Backward of the row loss above with p = softmax(z) = exp(z - lse), y the label, w_i = valid_i /
 # divisor:  dL/dz_j = w_i (p_j (1 + 2 z_loss lse) - (1-eps)[j == y] - eps/V);
 # softcap z = c tanh(r / c):  dL/dr = dL/dz (1 - tanh^2).
-# ``g_ptr`` may be ``z_ptr`` itself when both are fp32 (same element, same thread).
+# ``g_ptr`` may be ``z_ptr`` itself when both are fp32 (same element, same thread), or, with SYNC,
+# a narrower view of z's own bytes that starts where each z row starts: block k of g lands on
+# z's columns [k B / 2, (k + 1) B / 2), which every warp has read by block k once they meet at
+# the barrier.
 @triton.jit
 def _flce_grad_kernel(
     z_ptr, g_ptr, bias_ptr, labels_ptr, lse_ptr, scale_ptr,  # (N, Vc) (N, Vc) (V,) (N,) (N,) ()
     stride_z, stride_g, v0, vc, softcap, ignore_index, one_minus_eps, eps_over_v, two_z_loss,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+    SYNC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(labels_ptr + row).to(tl.int64)
@@ -123,6 +135,8 @@ def _flce_grad_kernel(
         g = p_coef * tl.exp(z - lse) - w * (eps_over_v + tl.where(cols == y - v0, one_minus_eps, 0.0))
         if SOFTCAP:
             g = g * (1.0 - th * th)
+        if SYNC:  # g's row overlays the first half of z's row: every warp has read this block
+            tl.debug_barrier()  # (and so every earlier one) before any warp stores over it
         tl.store(g_ptr + row * stride_g + cols, _common.cast(g, g_ptr.dtype.element_ty), mask=mask)
 
 
@@ -213,6 +227,23 @@ def _mm_into(out, a, b):
         setattr(flags, attr, old)
 
 
+def _addmm_into_(out, a, b):
+    """out += a @ b in one cuBLAS call (beta = 1): fp32 accumulation of the product and out,
+    rounded once to out's dtype (reduced-precision split-K cleared as in :func:`_mm_into`)."""
+    attr = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+            torch.float16: "allow_fp16_reduced_precision_reduction"}.get(out.dtype)
+    if not (out.is_cuda and attr):
+        out.addmm_(a, b)
+        return
+    flags = torch.backends.cuda.matmul
+    old = getattr(flags, attr)
+    setattr(flags, attr, False)
+    try:
+        out.addmm_(a, b)
+    finally:
+        setattr(flags, attr, old)
+
+
 def _tiles(n, v, tile_vocab):
     """Tile boundaries over the vocabulary: ``tile_vocab`` columns, or as wide as the memory
     budget allows, balanced so the last tile is not a sliver."""
@@ -221,8 +252,17 @@ def _tiles(n, v, tile_vocab):
 
 
 def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, label_smoothing,
-                 z_loss, need_h, need_w, need_b, tile_vocab=None):
-    """Loss and (unscaled) gradients. Returns (loss, grad_h fp32 | None, grad_W | None, grad_b | None)."""
+                 z_loss, need_h, need_w, need_b, tile_vocab=None, chunk_rows=None):
+    """Loss and (unscaled) gradients. Returns (loss, grad_h fp32 | None, grad_W | None, grad_b | None).
+    Row chunks when ``chunk_rows`` is given or :func:`spec.row_chunk` picks them, else vocabulary
+    tiles."""
+    n, v = hidden.shape[0], weight.shape[0]
+    if tile_vocab is None:
+        chunk_rows = spec.row_chunk(n, v, chunk_rows, need_grad=need_h or need_w or need_b)
+        if chunk_rows:
+            return _flce_rows(hidden, weight, labels, bias, div, ignore_index=ignore_index,
+                              softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
+                              need_h=need_h, need_w=need_w, need_b=need_b, chunk_rows=chunk_rows)
     n, _ = hidden.shape
     v = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
@@ -271,7 +311,7 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
         if n:
             _flce_grad_kernel[grid](
                 z, g, bias_arg, labels, m_buf, scale, z.stride(0), g.stride(0), v0, v1 - v0,
-                **common, two_z_loss=2.0 * float(z_loss), **flags, num_warps=8,
+                **common, two_z_loss=2.0 * float(z_loss), **flags, SYNC=False, num_warps=8,
             )
         else:
             g.zero_()
@@ -285,23 +325,88 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
     return loss, gh, gw, gb
 
 
+def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, label_smoothing, z_loss,
+               need_h, need_w, need_b, chunk_rows):
+    """Row chunks, every column at once: per chunk of C rows, z = h[chunk] @ W^T (C, V) fp32;
+    the stats kernel forms each row's lse and loss in one tile; the grad kernel writes dL/dz
+    over z's own bytes (bf16 over the first half of each fp32 row); then grad_h[chunk] =
+    dz @ W (one write) and grad_W += dz^T @ h[chunk] (cuBLAS beta = 1 into the grad_W buffer).
+    Three matmuls, eager's count, against the vocabulary tiles' four; the price is one rounding
+    of the low-precision grad_W per chunk (one per tile there) and a read + write of grad_W per
+    chunk, which is why spec.row_chunk takes this path only for chunks of many rows."""
+    n, hd = hidden.shape
+    v = weight.shape[0]
+    dev, dt = hidden.device, hidden.dtype
+    acc_t = _common.acc_torch(dt)
+    labels = labels.contiguous()
+    m_buf, s_buf, t_buf, sz_buf, rows = (torch.empty(n, dtype=acc_t, device=dev) for _ in range(5))
+    eps = float(label_smoothing)
+    common = dict(softcap=float(softcap or 1.0), ignore_index=ignore_index, one_minus_eps=1.0 - eps,
+                  eps_over_v=eps / v)
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, ACC=_common.acc(dt),
+                 BLOCK=min(_BLOCK, triton.next_power_of_2(max(v, 16))))
+    bias_arg = bias if bias is not None else m_buf  # never read without HAS_BIAS
+    need_grad = need_h or need_w or need_b
+    if need_grad:
+        scale = torch.where(div == 0, torch.zeros_like(div), 1.0 / div).to(acc_t)  # () on the device
+    gh = torch.zeros((n, hd), dtype=acc_t, device=dev) if need_h else None  # rows written once
+    gw = None
+    if need_w:  # (every row written by the first chunk; none without rows)
+        gw = _common.empty(weight.shape, weight.dtype, dev) if n else torch.zeros_like(weight)
+    gb = torch.zeros((v,), dtype=acc_t, device=dev) if need_b else None
+    wt = weight.t()
+    for i, r0 in enumerate(range(0, n, chunk_rows)):
+        r1 = min(r0 + chunk_rows, n)
+        h_c, y_c, lse_c = hidden[r0:r1], labels[r0:r1], m_buf[r0:r1]
+        z = _mm_f32(h_c, wt)  # (C, V)
+        _flce_stats_kernel[(r1 - r0,)](
+            z, bias_arg, y_c, lse_c, s_buf[r0:r1], t_buf[r0:r1], sz_buf[r0:r1], rows[r0:r1],
+            z.stride(0), 0, v, v, **common, z_loss=float(z_loss), SMOOTH=eps > 0, FIRST=True,
+            LAST=True, **flags, num_warps=8,
+        )
+        if not need_grad:
+            continue
+        g = z if z.dtype == dt else z.view(dt)[:, :v]  # (C, V), row stride 2V when narrower
+        _flce_grad_kernel[(r1 - r0,)](
+            z, g, bias_arg, y_c, lse_c, scale, z.stride(0), g.stride(0), 0, v, **common,
+            two_z_loss=2.0 * float(z_loss), **flags, SYNC=g is not z, num_warps=8,
+        )
+        if need_h:
+            _addmm_f32_(gh[r0:r1], g, weight)  # (C, H) = (C, V) @ (V, H), once per row
+        if need_w:
+            if i == 0:
+                _mm_into(gw, g.t(), h_c)  # (V, H)
+            else:
+                _addmm_into_(gw, g.t(), h_c)
+        if need_b:
+            gb += g.sum(0, dtype=acc_t)
+        del z, g
+    loss = rows.sum() / div
+    if gb is not None:
+        gb = gb.to(bias.dtype)
+    return loss, gh, gw, gb
+
+
 def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
                     num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0,
-                    tile_vocab=None):
+                    tile_vocab=None, chunk_rows=None):
     """Triton fused linear cross-entropy with the signature of
-    ``forge.spec.fused_linear_ce.reference``; ``tile_vocab`` (extra, optional) fixes the width of
-    the vocabulary tiles, else they are sized by ``forge.spec.fused_linear_ce.tile_width``."""
+    ``forge.spec.fused_linear_ce.reference``. Extra, optional: ``tile_vocab`` walks vocabulary
+    tiles of that width, ``chunk_rows`` row chunks of that many rows (at most one of them);
+    neither, and ``forge.spec.fused_linear_ce.row_chunk`` picks (row chunks only when they are
+    tall enough to win), the tiles sized by ``tile_width``."""
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
     _common.check_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    spec.check_strategy(tile_vocab, chunk_rows)
     acc_t = _common.acc_torch(hidden.dtype)
     div = spec.divisor(labels, ignore_index, reduction, num_items_in_batch, acc_t, hidden.device)
 
     def compute(need_h, need_w, need_b):
         return flce_forward(hidden, weight, labels, bias, div, ignore_index=ignore_index,
                             softcap=softcap, label_smoothing=float(label_smoothing),
-                            z_loss=float(z_loss), tile_vocab=tile_vocab, need_h=need_h,
-                            need_w=need_w, need_b=need_b)
+                            z_loss=float(z_loss), tile_vocab=tile_vocab, chunk_rows=chunk_rows,
+                            need_h=need_h, need_w=need_w, need_b=need_b)
 
     return _precomputed.apply(compute, hidden, weight, bias, scale=_scale_)

@@ -21,6 +21,10 @@ from forge.spec import tolerance
 from oracle import check_op
 
 BACKENDS = ["triton", "pallas"]
+# every backend with each strategy: vocabulary tiles, and row chunks (CPU 4 rows -> 4 chunks of
+# 13 rows, the last ragged; GPU 128 rows) forced where the default would pick the tiles
+VARIANTS = ["triton", "triton-rows", "pallas", "pallas-rows"]
+ROWS = {"cpu": 4, "gpu": 128}
 DTYPES = [torch.float32, torch.bfloat16]
 TILE = 256  # CPU tile width: 1000 columns -> 4 tiles, the last ragged
 CPU_SHAPE = (13, 32, 1000)
@@ -35,8 +39,13 @@ CASES = {
 }
 
 
-def _kernel(backend, tile=TILE):
-    fn = ops.get("fused_linear_ce", backend)
+def _kernel(variant, tile=TILE, rows=None):
+    """The variant's loss; ``tile`` a CPU-sized vocabulary tile (None: real shapes, the default
+    sizing), for "triton-rows" a row chunk instead (``rows``, else ROWS by shape kind)."""
+    if variant.endswith("-rows"):
+        rows = rows or ROWS["cpu" if tile else "gpu"]
+        return functools.partial(ops.get("fused_linear_ce", variant[:-5]), chunk_rows=rows)
+    fn = ops.get("fused_linear_ce", variant)
     return functools.partial(fn, tile_vocab=tile) if tile else fn
 
 
@@ -64,7 +73,7 @@ def _shapes():
         pytest.param(s, None, id=k, marks=pytest.mark.gpu) for k, s in GPU_SHAPES.items()]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("shape,tile", _shapes())
@@ -99,7 +108,7 @@ def test_backends_agree(dtype, case, shape, tile, device):
         assert err <= bound, f"{name}: triton vs pallas rel err {err:.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,tile", _shapes())
 def test_backward_scales_in_place(backend, dtype, shape, tile, device):
@@ -129,7 +138,7 @@ def test_backward_scales_in_place(backend, dtype, shape, tile, device):
     assert torch.equal(x["weight"].grad, want["weight"])  # untouched by the second
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARIANTS)
 @pytest.mark.parametrize("reduction,expect", [("mean", "nan"), ("sum", 0.0)])
 def test_all_ignored(backend, reduction, expect, device):
     # torch: mean over zero rows is 0/0 = NaN, sum is 0; gradients are exactly zero either way
@@ -147,7 +156,7 @@ def test_all_ignored(backend, reduction, expect, device):
     assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARIANTS)
 def test_no_grad_and_zero_items(backend, device):
     # under no_grad only the loss pass runs: the same loss; num_items_in_batch=0 gives HF's
     # sum / 0 (inf here, some labels are valid)
@@ -164,7 +173,7 @@ def test_no_grad_and_zero_items(backend, device):
     assert torch.isinf(zero) and torch.isinf(ref)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARIANTS)
 def test_no_rows(backend, device):
     # an empty batch behaves like torch's cross_entropy on (0, V) logits: NaN mean, zero grads
     tensors, _ = _inputs(0, 32, 1000, torch.float32, device)
@@ -176,7 +185,7 @@ def test_no_rows(backend, device):
     assert h.grad.shape == (0, 32) and torch.equal(w.grad, torch.zeros_like(w))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tied_embedding(backend, dtype, device):
     # lm_head weight is also the input embedding: its gradient sums both uses
@@ -207,7 +216,7 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARIANTS)
 def test_frozen_weight(backend, device):
     tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
     h = tensors["hidden"].clone().requires_grad_()
@@ -218,6 +227,8 @@ def test_frozen_weight(backend, device):
     assert w.grad is None and h.grad is not None
     if backend == "triton":  # 4 tiles x (logits, logits again, grad_h), the last tile's logits
         assert counter.count == 3 * 4 - 1  # kept from pass 1; no grad_W
+    if backend == "triton-rows":  # 4 chunks x (logits, grad_h)
+        assert counter.count == 2 * 4
     check_op(_with_labels(_kernel(backend), labels), _with_labels(spec.reference, labels), tensors,
              diff=("hidden",), out_names=["loss"], reductions=spec.reductions(h, w))
 
@@ -236,17 +247,66 @@ def test_triton_matmul_count(device):
     assert counter.count == 4
 
 
+def test_triton_row_chunks_matmul_count(device):
+    # row chunks: eager's three products per chunk (logits, grad_h, grad_W), logits once
+    # without gradients; 13 rows in chunks of 4 -> 4 chunks
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
+    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
+    counter = _CountMatmuls()
+    with counter:
+        _kernel("triton-rows")(h, w, labels).backward()
+    assert counter.count == 3 * 4
+    counter = _CountMatmuls()
+    with counter, torch.no_grad():
+        _kernel("triton-rows")(h, w, labels)
+    assert counter.count == 4
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["plain", "softcap_bias", "smooth_zloss_sum"])
+@pytest.mark.parametrize("shape,tile", _shapes())
+def test_strategies_agree(backend, dtype, case, shape, tile, device):
+    # row chunks against vocabulary tiles: the same fp32 logits and statistics; grad_W differs
+    # by its roundings (one per chunk there, one per tile here): within the backends' bound
+    kwargs, bias, ignored = CASES[case]
+    tensors, labels = _inputs(*shape, dtype, device, bias, ignored)
+    red = spec.reductions(tensors["hidden"], tensors["weight"])
+    res = {}
+    for variant in (backend, f"{backend}-rows"):
+        leaves = {k: t.clone().requires_grad_() for k, t in tensors.items()}
+        loss = _kernel(variant, tile)(leaves["hidden"], leaves["weight"], labels, leaves.get("bias"), **kwargs)
+        loss.backward()
+        res[variant] = {"loss": loss.detach(), **{k: t.grad for k, t in leaves.items()}}
+    for name, t in res[backend].items():
+        r = res[f"{backend}-rows"][name]
+        assert t.dtype == r.dtype and t.shape == r.shape, name
+        err, bound = tolerance.rel_err(r, t), 2 * tolerance.atol(t.dtype, red[name])
+        assert err <= bound, f"{name}: row chunks vs tiles rel err {err:.3e} > {bound:.3e}"
+
+
+def test_row_chunk_choice():
+    # row chunks by default only for tall chunks with gradients wanted; forced ones as given
+    assert spec.row_chunk(16384, 128256) == 1664  # 16384 / 10 rounded up to 64
+    assert spec.row_chunk(16384, 128256, need_grad=False) is None
+    assert spec.row_chunk(4096, 151936) is None  # 410-row chunks: vocabulary tiles
+    assert spec.row_chunk(10240, 1000) == spec.ROW_CHUNK_MIN
+    assert spec.row_chunk(100, 10, 7) == 7
+    with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
+        spec.row_chunk(100, 10, 0)
+
+
+@pytest.mark.parametrize("backend", VARIANTS)
 def test_directional_derivative(backend, device):
     # gradcheck's numerical Jacobian is far too slow in the interpreters; one central difference
     # along a random direction in float64 checks the same thing: <grad, d> = dL(x + t d)/dt
-    if backend == "pallas":
+    if backend.startswith("pallas"):
         pytest.importorskip("jax").config.update("jax_enable_x64", True)
     try:
         n, h, v = 5, 8, 37
         tensors, labels = _inputs(n, h, v, torch.float64, device, bias=True, ignored=0.3)
         kw = dict(softcap=3.0, label_smoothing=0.05, z_loss=1e-2)
-        fn = _kernel(backend, tile=16)
+        fn = _kernel(backend, tile=16, rows=2)
         x = {k: t.clone().requires_grad_() for k, t in tensors.items()}
         fn(x["hidden"], x["weight"], labels, x["bias"], **kw).backward()
         d = {k: torch.randn_like(t) for k, t in tensors.items()}
@@ -260,7 +320,7 @@ def test_directional_derivative(backend, device):
         analytic = sum((x[k].grad * d[k]).sum() for k in x).item()
         assert abs(numeric - analytic) <= 1e-6 * (1 + abs(analytic)), (numeric, analytic)
     finally:
-        if backend == "pallas":
+        if backend.startswith("pallas"):
             pytest.importorskip("jax").config.update("jax_enable_x64", False)
 
 
@@ -280,6 +340,20 @@ def test_directional_derivative(backend, device):
     ({"z_loss": -1.0}, ValueError, "z_loss must be"),
 ])
 def test_argument_errors(backend, bad, exc, match, device):
+    _argument_error(backend, bad, exc, match, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad,exc,match", [
+    ({"chunk_rows": 0}, ValueError, "chunk_rows must be a positive int"),
+    ({"chunk_rows": 2.0}, ValueError, "chunk_rows must be a positive int"),
+    ({"tile_vocab": 256, "chunk_rows": 2}, ValueError, "at most one of tile_vocab"),
+])
+def test_strategy_errors(backend, bad, exc, match, device):
+    _argument_error(backend, bad, exc, match, device)
+
+
+def _argument_error(backend, bad, exc, match, device):
     args = {"hidden": torch.zeros(3, 4), "weight": torch.zeros(10, 4),
             "labels": torch.zeros(3, dtype=torch.long), "bias": None}
     args.update(bad)
@@ -291,7 +365,7 @@ def test_argument_errors(backend, bad, exc, match, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARIANTS)
 def test_no_host_sync(backend, device):
     # forward and backward queue work without reading anything back (torch raises on a sync)
     tensors, labels = _inputs(4096, 896, 151936, torch.bfloat16, device)
@@ -306,3 +380,4 @@ def test_no_host_sync(backend, device):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+

@@ -156,3 +156,39 @@ def tile_width(n: int, v: int, tile_vocab: int | None = None, *, logits_fraction
         count = -(-v // cap)
         tile_vocab = -(-(-(-v // count)) // TILE_ALIGN) * TILE_ALIGN
     return max(1, min(tile_vocab, v))
+
+
+# Row chunks (the Triton backend's second strategy): each chunk holds all V columns of C rows in
+# fp32, so the logits go through the matmuls once, as in eager (three products instead of the
+# vocabulary tiles' four), but the low-precision grad_W is accumulated over the chunks (one
+# rounding and one read + write of grad_W per chunk). About ROW_CHUNKS chunks (each 1/ROW_CHUNKS
+# of eager's fp32 logits), taken by default only when a chunk has at least ROW_CHUNK_MIN rows:
+# the saved product costs 2 N H V flops, the extra grad_W traffic 4 V H bytes per chunk, so the
+# chunks win once they are a few hundred rows tall on a GPU with ~170 flops per byte; below
+# ROW_CHUNK_MIN the matmuls of short chunks lose efficiency too.
+ROW_CHUNKS = 10
+ROW_CHUNK_MIN = 1024
+ROW_ALIGN = 64
+
+
+def check_strategy(tile_vocab, chunk_rows) -> None:
+    """At most one of ``tile_vocab`` / ``chunk_rows``, each a positive int when given."""
+    for name, val in (("tile_vocab", tile_vocab), ("chunk_rows", chunk_rows)):
+        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if tile_vocab is not None and chunk_rows is not None:
+        raise ValueError("give at most one of tile_vocab (vocabulary tiles) and chunk_rows (row chunks)")
+
+
+def row_chunk(n: int, v: int, chunk_rows: int | None = None, *, need_grad: bool = True,
+              chunks: int = ROW_CHUNKS) -> int | None:
+    """Rows per chunk for the row-chunk strategy, or None for vocabulary tiles: ``chunk_rows``
+    when given, else N / ``chunks`` rounded up to ROW_ALIGN when that is at least ROW_CHUNK_MIN
+    rows and gradients are wanted (without them both strategies do one product per element)."""
+    check_strategy(None, chunk_rows)
+    if chunk_rows is not None:
+        return chunk_rows
+    if not need_grad:
+        return None
+    rows = -(-(-(-n // chunks)) // ROW_ALIGN) * ROW_ALIGN
+    return rows if rows >= ROW_CHUNK_MIN else None
