@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import types
 
 from .errors import BackendUnavailableError
 
@@ -38,6 +39,13 @@ def get(key: str, backend: str):
     require(backend)
     mod = importlib.import_module(_MODULE[backend])
     fn = getattr(mod, key, None)
+    if isinstance(fn, types.ModuleType):
+        # the kernel modules share their public function's name and load lazily: importing one
+        # directly (``from forge_triton.fused_linear_ce import ...``) binds the module over the
+        # package's name for the function; take the function and bind it back
+        fn = getattr(fn, key, None)
+        if fn is not None:
+            setattr(mod, key, fn)
     if fn is None:
         raise BackendUnavailableError(f"kernel {key!r} is not implemented by the {backend} backend")
     return fn

@@ -381,3 +381,21 @@ def test_no_host_sync(backend, device):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
 
+
+@pytest.mark.parametrize("package", ["forge_triton", "bridge"])
+def test_ops_get_after_a_direct_submodule_import(package):
+    # the kernel module and its public function share a name: a direct submodule import (as
+    # forge._precomputed does for the Triton scaling kernel) binds the module over the lazily
+    # loaded function; ops.get must still return the function. A fresh interpreter, so the
+    # import happens first.
+    import subprocess
+    import sys
+
+    backend = {"forge_triton": "triton", "bridge": "pallas"}[package]
+    code = (f"import {package}.fused_linear_ce, types\n"
+            f"from forge import ops\n"
+            f"fn = ops.get('fused_linear_ce', {backend!r})\n"
+            f"assert callable(fn) and not isinstance(fn, types.ModuleType), fn\n"
+            f"import {package}; assert {package}.fused_linear_ce is fn\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
