@@ -229,38 +229,15 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
     return (loss,), tuple(x for x in grads if x is not None)  # the bridge keeps arrays only
 
 
-# grad_W's update per row chunk runs in this many slices of the vocabulary: XLA does not fold
-# ``grad_W + dz^T @ h`` into the product's epilogue here (measured on the H200: a separate add
-# and a whole (V, H) product alive beside grad_W, 12% of eager's memory at 16384 x 4096 x
-# 128256), so each slice's fp32 product is added and rounded once, one slice alive at a time
-GW_SLICES = 8
-
-
-def _add_gw(gw, g, h_c, *, dt, acc, prec):
-    """grad_W (+)= dz^T @ h[chunk]: the first chunk's product written directly; later ones in
-    GW_SLICES vocabulary slices, each an fp32 product added to grad_W's slice and rounded once,
-    chained through optimization barriers so one slice's product is alive at a time."""
-    if gw is None:
-        return jnp.dot(g.T, h_c, preferred_element_type=dt, precision=prec)  # (V, H)
-    v = gw.shape[0]
-    step = -(-v // GW_SLICES)
-    for v0 in range(0, v, step):
-        v1 = min(v0 + step, v)
-        gw, g, h_c = jax.lax.optimization_barrier((gw, g, h_c))
-        part = jnp.dot(g[:, v0:v1].T, h_c, preferred_element_type=acc, precision=prec)  # (Vs, H)
-        gw = jax.lax.dynamic_update_slice_in_dim(gw, (gw[v0:v1].astype(acc) + part).astype(dt), v0, 0)
-    return gw
-
-
 def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, label_smoothing, z_loss,
                chunk_rows, grads_for):
     """Row chunks, every column at once (the Triton backend's second strategy): per chunk of C
     rows, z = h[chunk] @ W^T (C, V) fp32, the stats kernel over the whole row (one tile), the
     grad kernel's dL/dz (C, V) in the input dtype, grad_h[chunk] = dz @ W and grad_W += dz^T @
-    h[chunk] (:func:`_add_gw`). Three products, eager's count; grad_W is rounded once per chunk. The
-    chunks are a static Python loop; each chunk's inputs pass through an optimization barrier
-    with the previous chunk's results, so XLA runs them one after another (one chunk's logits
-    alive at a time) instead of scheduling several at once."""
+    h[chunk] (the product and the sum each rounded to the input dtype: XLA does not fold the
+    add into the product here). Three products, eager's count. The chunks are a static Python loop; each chunk's inputs pass through an
+    optimization barrier with the previous chunk's loss rows and grad_h rows, so XLA runs them
+    one after another (about one chunk's logits alive at a time) instead of all at once."""
     n, hd = hidden.shape
     v = weight.shape[0]
     dt = hidden.dtype
@@ -277,9 +254,10 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
     losses, gh_parts = [], []
     gw = jnp.zeros_like(weight) if need_w and n == 0 else None
     gb = jnp.zeros((v,), acc) if need_b else None
+    last = ()  # the previous chunk's results: the next chunk's inputs wait for them
     for r0 in range(0, n, chunk_rows):
         r1 = min(r0 + chunk_rows, n)
-        h_all, w_all, (gw, gb) = jax.lax.optimization_barrier((hidden, weight, (gw, gb)))
+        h_all, w_all, _ = jax.lax.optimization_barrier((hidden, weight, last))
         h_c, y_c = h_all[r0:r1], labels[r0:r1]
         z = jnp.dot(h_c, w_all.T, preferred_element_type=acc, precision=prec)  # (C, V)
         zero = jnp.zeros((r1 - r0,), acc)
@@ -292,10 +270,13 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
         g = _grad(z, bias, y_c, lse, w_rows[r0:r1], dt, softcap=softcap, **coefs)  # (C, V)
         if need_h:
             gh_parts.append(jnp.dot(g, w_all, preferred_element_type=acc, precision=prec))  # (C, H)
-        if need_w:
-            gw = _add_gw(gw, g, h_c, dt=dt, acc=acc, prec=prec)
+        if need_w:  # (in the input dtype; each chunk's sum behind a barrier: without it XLA
+            # fused the chunks' adds into one at the end, every chunk's (V, H) product alive)
+            prod = jnp.dot(g.T, h_c, preferred_element_type=dt, precision=prec)  # (V, H)
+            gw = prod if gw is None else jax.lax.optimization_barrier(gw + prod)
         if need_b:
             gb = gb + jnp.sum(g.astype(acc), 0)
+        last = (losses[-1], gh_parts[-1] if need_h else None, gb)
     rows = jnp.concatenate(losses) if losses else jnp.zeros((0,), acc)
     loss = jnp.sum(jnp.where(valid, rows, 0)) / div
     if not need_grad:
