@@ -251,6 +251,23 @@ def _tiles(n, v, tile_vocab):
     return [(v0, min(v0 + tile_vocab, v)) for v0 in range(0, v, tile_vocab)]
 
 
+def _setup(hidden, weight, labels, bias, width, *, ignore_index, softcap, label_smoothing):
+    """What both strategies hand the kernels: contiguous labels, the five (N,) row buffers
+    (running max / lse, sum-exp, target logit, logit sum, row loss), the kernels' common scalar
+    arguments and flags for tiles of ``width`` columns, and the bias argument."""
+    n, v = hidden.shape[0], weight.shape[0]
+    dt = hidden.dtype
+    acc_t = _common.acc_torch(dt)
+    bufs = tuple(torch.empty(n, dtype=acc_t, device=hidden.device) for _ in range(5))
+    eps = float(label_smoothing)
+    common = dict(softcap=float(softcap or 1.0), ignore_index=ignore_index, one_minus_eps=1.0 - eps,
+                  eps_over_v=eps / v)
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, ACC=_common.acc(dt),
+                 BLOCK=min(_BLOCK, triton.next_power_of_2(max(width, 16))))
+    bias_arg = bias if bias is not None else bufs[0]  # never read without HAS_BIAS
+    return labels.contiguous(), bufs, common, flags, bias_arg
+
+
 def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, label_smoothing,
                  z_loss, need_h, need_w, need_b, tile_vocab=None, chunk_rows=None):
     """Loss and (unscaled) gradients. Returns (loss, grad_h fp32 | None, grad_W | None, grad_b | None).
@@ -263,18 +280,12 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
             return _flce_rows(hidden, weight, labels, bias, div, ignore_index=ignore_index,
                               softcap=softcap, label_smoothing=label_smoothing, z_loss=z_loss,
                               need_h=need_h, need_w=need_w, need_b=need_b, chunk_rows=chunk_rows)
-    n, _ = hidden.shape
-    v = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
     acc_t = _common.acc_torch(dt)
-    labels = labels.contiguous()
-    m_buf, s_buf, t_buf, sz_buf, rows = (torch.empty(n, dtype=acc_t, device=dev) for _ in range(5))
+    labels, (m_buf, s_buf, t_buf, sz_buf, rows), common, flags, bias_arg = _setup(
+        hidden, weight, labels, bias, min(tile_vocab or v, v), ignore_index=ignore_index,
+        softcap=softcap, label_smoothing=label_smoothing)
     eps = float(label_smoothing)
-    common = dict(softcap=float(softcap or 1.0), ignore_index=ignore_index, one_minus_eps=1.0 - eps,
-                  eps_over_v=eps / v)
-    block = min(_BLOCK, triton.next_power_of_2(max(min(tile_vocab or v, v), 16)))
-    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, ACC=_common.acc(dt), BLOCK=block)
-    bias_arg = bias if bias is not None else m_buf  # never read without HAS_BIAS
     tiles = _tiles(n, v, tile_vocab)
     grid = (n,)
     need_grad = need_h or need_w or need_b
@@ -338,14 +349,10 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
     v = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
     acc_t = _common.acc_torch(dt)
-    labels = labels.contiguous()
-    m_buf, s_buf, t_buf, sz_buf, rows = (torch.empty(n, dtype=acc_t, device=dev) for _ in range(5))
+    labels, (m_buf, s_buf, t_buf, sz_buf, rows), common, flags, bias_arg = _setup(
+        hidden, weight, labels, bias, v, ignore_index=ignore_index, softcap=softcap,
+        label_smoothing=label_smoothing)
     eps = float(label_smoothing)
-    common = dict(softcap=float(softcap or 1.0), ignore_index=ignore_index, one_minus_eps=1.0 - eps,
-                  eps_over_v=eps / v)
-    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, ACC=_common.acc(dt),
-                 BLOCK=min(_BLOCK, triton.next_power_of_2(max(v, 16))))
-    bias_arg = bias if bias is not None else m_buf  # never read without HAS_BIAS
     need_grad = need_h or need_w or need_b
     if need_grad:
         scale = torch.where(div == 0, torch.zeros_like(div), 1.0 / div).to(acc_t)  # () on the device
