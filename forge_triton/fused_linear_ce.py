@@ -28,6 +28,8 @@ the host: the mean's divisor is a device tensor the kernels load.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -206,42 +208,45 @@ def _addmm_f32_(acc, a, b):
     acc.add_(_mm_f32(a, b))
 
 
-def _mm_into(out, a, b):
-    """out = a @ b, fp32 accumulation rounded once to out's dtype. cuBLAS writes bf16/fp16 out
-    directly when it may not reduce split-K partial sums in the low precision (torch allows that
-    by default: the flag is cleared around the call); else through an fp32 temporary."""
-    if a.dtype == out.dtype and out.dtype in (torch.float32, torch.float64):
-        torch.mm(a, b, out=out)
-        return
-    flags = torch.backends.cuda.matmul
-    attr = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
-            torch.float16: "allow_fp16_reduced_precision_reduction"}.get(out.dtype)
-    if not (a.is_cuda and attr and a.dtype == out.dtype):
-        out.copy_(_mm_f32(a, b))
-        return
+_REDUCED_FLAG = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+                 torch.float16: "allow_fp16_reduced_precision_reduction"}
+
+
+@contextlib.contextmanager
+def _one_rounding(dtype):
+    """cuBLAS may not reduce split-K partial sums in ``dtype`` (torch allows it by default for
+    bf16/fp16): the flag is cleared for the call, so a product written in ``dtype`` is rounded
+    once from its fp32 accumulation."""
+    flags, attr = torch.backends.cuda.matmul, _REDUCED_FLAG[dtype]
     old = getattr(flags, attr)
     setattr(flags, attr, False)
     try:
-        torch.mm(a, b, out=out)
+        yield
     finally:
         setattr(flags, attr, old)
+
+
+def _mm_into(out, a, b):
+    """out = a @ b, fp32 accumulation rounded once to out's dtype: cuBLAS writes bf16/fp16 out
+    directly (:func:`_one_rounding`); else through an fp32 temporary."""
+    if a.dtype == out.dtype and out.dtype in (torch.float32, torch.float64):
+        torch.mm(a, b, out=out)
+        return
+    if not (a.is_cuda and out.dtype in _REDUCED_FLAG and a.dtype == out.dtype):
+        out.copy_(_mm_f32(a, b))
+        return
+    with _one_rounding(out.dtype):
+        torch.mm(a, b, out=out)
 
 
 def _addmm_into_(out, a, b):
     """out += a @ b in one cuBLAS call (beta = 1): fp32 accumulation of the product and out,
-    rounded once to out's dtype (reduced-precision split-K cleared as in :func:`_mm_into`)."""
-    attr = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
-            torch.float16: "allow_fp16_reduced_precision_reduction"}.get(out.dtype)
-    if not (out.is_cuda and attr):
+    rounded once to out's dtype."""
+    if not (out.is_cuda and out.dtype in _REDUCED_FLAG):
         out.addmm_(a, b)
         return
-    flags = torch.backends.cuda.matmul
-    old = getattr(flags, attr)
-    setattr(flags, attr, False)
-    try:
+    with _one_rounding(out.dtype):
         out.addmm_(a, b)
-    finally:
-        setattr(flags, attr, old)
 
 
 def _tiles(n, v, tile_vocab):

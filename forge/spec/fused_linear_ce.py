@@ -158,7 +158,7 @@ def tile_width(n: int, v: int, tile_vocab: int | None = None, *, logits_fraction
     return max(1, min(tile_vocab, v))
 
 
-# Row chunks (the Triton backend's second strategy): each chunk holds all V columns of C rows in
+# Row chunks (each backend's second strategy): each chunk holds all V columns of C rows in
 # fp32, so the logits go through the matmuls once, as in eager (three products instead of the
 # vocabulary tiles' four), but the low-precision grad_W is accumulated over the chunks (one
 # rounding and one read + write of grad_W per chunk). About ROW_CHUNKS chunks (each 1/ROW_CHUNKS
