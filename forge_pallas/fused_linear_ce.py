@@ -11,7 +11,8 @@ walked in tiles of Vc columns over all rows, so the (N, V) logits never exist.
 
 Full tiles run in a ``fori_loop`` (one compiled body whatever V is); a ragged last tile runs
 once after it with its own static width. With ``chunk_rows`` the row-chunk strategy runs
-instead (``_flce_rows``: eager's three products per chunk of rows, all columns at once). Gradients come out of the forward unscaled (the loss
+instead (``_flce_rows``: eager's three products per chunk of rows, all columns at once).
+Gradients come out of the forward unscaled (the loss
 is a scalar); the caller scales them by the loss's cotangent (bridge/fused_linear_ce.py hands
 them to forge._precomputed, which does it in place on the torch side). Pure JAX, no torch.
 """
@@ -154,6 +155,16 @@ def tile_width(n, v, tile_vocab):
     return max(1, min(int(tile_vocab), v))
 
 
+def _row_loss(lse, t, sz, *, eps, v, z_loss):
+    """Each row's loss (1-eps)(lse - z_y) + eps(lse - mean z) + z_loss lse^2 from its statistics."""
+    return lse - (1.0 - eps) * t - (eps / v) * sz + z_loss * lse * lse
+
+
+def _row_weights(valid, div, acc):
+    """(N,) each row's weight in the mean: valid / divisor (0 when the divisor is 0)."""
+    return jnp.where(valid, jnp.where(div == 0, 0, 1 / div), 0).astype(acc)
+
+
 def _over_tiles(v, vc, step, carry):
     """carry = step(v0, width, carry) over full tiles (fori_loop) and the ragged tail."""
     full = v // vc
@@ -198,14 +209,14 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
     zero = jnp.zeros((n,), acc)
     m, s, t, sz = _over_tiles(v, vc, pass1, (jnp.full((n,), -jnp.inf, acc), zero, zero, zero))
     lse = m + jnp.log(s)  # (N,)
-    rows = lse - (1.0 - eps) * t - (eps / v) * sz + z_loss * lse * lse
+    rows = _row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss)
     loss = jnp.sum(jnp.where(valid, rows, 0)) / div.astype(acc)
 
     need_h, need_w, need_b = grads_for
     if not (need_h or need_w or need_b):
         return (loss,), ()
     div = div.astype(acc)
-    w = jnp.where(valid, jnp.where(div == 0, 0, 1 / div), 0).astype(acc)  # (N,) row weights
+    w = _row_weights(valid, div, acc)
     coefs = dict(one_minus_eps=1.0 - eps, eps_over_v=eps / v, two_z_loss=2.0 * z_loss)
 
     def pass2(v0, width, grads):
@@ -231,13 +242,14 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
 
 def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, label_smoothing, z_loss,
                chunk_rows, grads_for):
-    """Row chunks, every column at once (the Triton backend's second strategy): per chunk of C
-    rows, z = h[chunk] @ W^T (C, V) fp32, the stats kernel over the whole row (one tile), the
-    grad kernel's dL/dz (C, V) in the input dtype, grad_h[chunk] = dz @ W and grad_W += dz^T @
-    h[chunk] (the product and the sum each rounded to the input dtype: XLA does not fold the
-    add into the product here). Three products, eager's count. The chunks are a static Python loop; each chunk's inputs pass through an
-    optimization barrier with the previous chunk's loss rows and grad_h rows, so XLA runs them
-    one after another (about one chunk's logits alive at a time) instead of all at once."""
+    """Row chunks, every column at once (both backends' second strategy): per chunk of C rows,
+    z = h[chunk] @ W^T (C, V) fp32, the stats kernel over the whole row (one tile), the grad
+    kernel's dL/dz (C, V) in the input dtype, grad_h[chunk] = dz @ W and grad_W += dz^T @
+    h[chunk] (the product and the sum each rounded to the input dtype: XLA does not fold the add
+    into the product here). Three products, eager's count. The chunks are a static Python loop;
+    each chunk's inputs pass through an optimization barrier with the previous chunk's loss rows
+    and grad_h rows, so XLA runs them one after another (about one chunk's logits alive at a
+    time) instead of all at once."""
     n, hd = hidden.shape
     v = weight.shape[0]
     dt = hidden.dtype
@@ -249,7 +261,7 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
     need_h, need_w, need_b = grads_for
     need_grad = need_h or need_w or need_b
     div = div.astype(acc)
-    w_rows = jnp.where(valid, jnp.where(div == 0, 0, 1 / div), 0).astype(acc)  # (N,) row weights
+    w_rows = _row_weights(valid, div, acc)
     coefs = dict(one_minus_eps=1.0 - eps, eps_over_v=eps / v, two_z_loss=2.0 * z_loss)
     losses, gh_parts = [], []
     gw = jnp.zeros_like(weight) if need_w and n == 0 else None
@@ -264,7 +276,7 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
         m, s, t, sz = _stats(z, bias, y_c, (jnp.full((r1 - r0,), -jnp.inf, acc), zero, zero, zero),
                              softcap=softcap, smooth=eps > 0)
         lse = m + jnp.log(s)
-        losses.append(lse - (1.0 - eps) * t - (eps / v) * sz + z_loss * lse * lse)
+        losses.append(_row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss))
         if not need_grad:
             continue
         g = _grad(z, bias, y_c, lse, w_rows[r0:r1], dt, softcap=softcap, **coefs)  # (C, V)

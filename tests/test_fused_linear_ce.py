@@ -41,7 +41,7 @@ CASES = {
 
 def _kernel(variant, tile=TILE, rows=None):
     """The variant's loss; ``tile`` a CPU-sized vocabulary tile (None: real shapes, the default
-    sizing), for "triton-rows" a row chunk instead (``rows``, else ROWS by shape kind)."""
+    sizing), for "<backend>-rows" a row chunk instead (``rows``, else ROWS by shape kind)."""
     if variant.endswith("-rows"):
         rows = rows or ROWS["cpu" if tile else "gpu"]
         return functools.partial(ops.get("fused_linear_ce", variant[:-5]), chunk_rows=rows)
@@ -233,33 +233,22 @@ def test_frozen_weight(backend, device):
              diff=("hidden",), out_names=["loss"], reductions=spec.reductions(h, w))
 
 
-def test_triton_matmul_count(device):
-    # trainable weight: one more matmul per tile (grad_W); no gradient wanted: logits once
+# 13 rows x 1000 columns: tiles of 256 -> 4 tiles, chunks of 4 rows -> 4 chunks. Trainable
+# weight, tiles: logits, logits again, grad_h, grad_W per tile, the last tile's logits kept from
+# pass 1; chunks: eager's three per chunk (logits, grad_h, grad_W). No gradient wanted: the
+# logits once per tile / chunk.
+@pytest.mark.parametrize("variant,with_grad,without", [("triton", 4 * 4 - 1, 4), ("triton-rows", 3 * 4, 4)])
+def test_triton_matmul_count(variant, with_grad, without, device):
     tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
     h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
     counter = _CountMatmuls()
     with counter:
-        _kernel("triton")(h, w, labels).backward()
-    assert counter.count == 4 * 4 - 1
+        _kernel(variant)(h, w, labels).backward()
+    assert counter.count == with_grad
     counter = _CountMatmuls()
     with counter, torch.no_grad():
-        _kernel("triton")(h, w, labels)
-    assert counter.count == 4
-
-
-def test_triton_row_chunks_matmul_count(device):
-    # row chunks: eager's three products per chunk (logits, grad_h, grad_W), logits once
-    # without gradients; 13 rows in chunks of 4 -> 4 chunks
-    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
-    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
-    counter = _CountMatmuls()
-    with counter:
-        _kernel("triton-rows")(h, w, labels).backward()
-    assert counter.count == 3 * 4
-    counter = _CountMatmuls()
-    with counter, torch.no_grad():
-        _kernel("triton-rows")(h, w, labels)
-    assert counter.count == 4
+        _kernel(variant)(h, w, labels)
+    assert counter.count == without
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
