@@ -60,14 +60,16 @@ def ds(start, size):
     return pl.ds(i32(start), size)
 
 
-def triton_call(kernel, *, name, grid, out_shape, num_warps, num_stages=None):
-    """``pallas_call`` with the Triton lowering (interpreted without a GPU)."""
+def triton_call(kernel, *, name, grid, out_shape, num_warps, num_stages=None, aliases=None):
+    """``pallas_call`` with the Triton lowering (interpreted without a GPU); ``aliases`` (input
+    index -> output index) lets an output reuse an input's buffer, updating it in place."""
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
         name=name,
         interpret=interpret(),
+        input_output_aliases=aliases or {},
         compiler_params=_TritonParams(num_warps=num_warps, num_stages=num_stages),
     )
 

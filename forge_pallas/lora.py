@@ -32,12 +32,10 @@ PROJ = 3  # q, k, v
 
 
 def _launch(kernel, *, name, grid, out_shape, aliases):
-    """``pallas_call`` with the Triton lowering (interpreted without a GPU); ``aliases`` lets an
-    output reuse an input's buffer (the base GEMM output becomes the result in place)."""
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, name=name, interpret=C.interpret(),
-        input_output_aliases=aliases, compiler_params=C._TritonParams(num_warps=4, num_stages=None),
-    )
+    """``aliases`` lets an output reuse an input's buffer (the base GEMM output becomes the
+    result in place)."""
+    return C.triton_call(kernel, name=name, grid=grid, out_shape=out_shape, num_warps=4,
+                         aliases=aliases)
 
 
 def _padded_rank(r: int) -> int:
