@@ -150,6 +150,91 @@ def _grad(z, b, yl, lse, w, dtype, *, softcap, **coefs):
                    out_shape=jax.ShapeDtypeStruct((n, vc), dtype))(z, b, yl, lse, w)
 
 
+# grad_W += dz^T @ h for one chunk of rows, in place (the grad_W input aliased to the output).
+# XLA computes such a product into a (V, H) buffer of its own and adds it in a second pass
+# (measured on the H200 at 16384 x 4096 x 128256: a 1 GB product alive beside grad_W, 10.9 ms
+# of adds over 16 chunks). Here each program owns one (BV, BH) tile of grad_W: it accumulates
+# dz[:, tile]^T @ h[:, tile] over the chunk's rows in fp32 and adds it to the tile once, so
+# grad_W is rounded once per chunk and no second (V, H) buffer exists. Programs along H are
+# launched next to each other: they share one column block of dz, read from HBM about once.
+_GW_BLOCKS = (128, 256, 64)  # (BV, BH, BK): grad_W rows, grad_W columns, chunk rows per step
+_GW_WARPS, _GW_STAGES = 8, 4
+
+
+def _smem_budget():
+    """Bytes of pipelined input blocks a program may keep in shared memory: most of a Hopper
+    SM's 227 KiB (measured on the H200), of an A100's 163 or of other GPUs' ~100 (not run on
+    either)."""
+    if C.interpret():
+        return 200 * 1024
+    cc = str(getattr(jax.devices("gpu")[0], "compute_capability", "0.0"))
+    return {"9.0": 200 * 1024, "8.0": 144 * 1024}.get(cc, 80 * 1024)
+
+
+def _in_bounds(start, block, size):
+    """The lanes of a block that fall inside ``size``; None when every block is full."""
+    return None if size % block == 0 else start + jnp.arange(block) < size
+
+
+def _both(rows, cols, shape):
+    """The 2-D mask of two optional 1-D masks; None when neither is needed."""
+    if rows is None and cols is None:
+        return None
+    m = jnp.ones(shape, bool)
+    m = m if rows is None else m & rows[:, None]
+    return m if cols is None else m & cols[None, :]
+
+
+def _load(ref, mask):
+    """A load masked only where a block can be ragged (the Triton lowering takes ``other``
+    only with a mask)."""
+    return C.load(ref) if mask is None else C.load(ref, mask=mask, other=0.0)
+
+
+def _gw_acc_kernel(gw_ref, g_ref, h_ref, out_ref, *, block_v, block_h, block_k, prec):
+    v, hd = gw_ref.shape
+    c = g_ref.shape[0]
+    acc = C.acc_dtype(gw_ref.dtype)
+    j, i = pl.program_id(0), pl.program_id(1)  # H block fastest (see above), then V block
+    vmask = _in_bounds(i * block_v, block_v, v)
+    hmask = _in_bounds(j * block_h, block_h, hd)
+    vs, hs = pl.ds(i * block_v, block_v), pl.ds(j * block_h, block_h)
+
+    def body(k, tile):
+        k = k.astype(jnp.int32)
+        kmask = _in_bounds(k * block_k, block_k, c)
+        ks = pl.ds(k * block_k, block_k)
+        a = _load(g_ref.at[ks, vs], _both(kmask, vmask, (block_k, block_v)))  # (BK, BV)
+        b = _load(h_ref.at[ks, hs], _both(kmask, hmask, (block_k, block_h)))  # (BK, BH)
+        return tile + jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec,
+                                          preferred_element_type=acc)
+
+    tile = jax.lax.fori_loop(0, C.cdiv(c, block_k), body, jnp.zeros((block_v, block_h), acc))
+    mask = _both(vmask, hmask, (block_v, block_h))
+    old = _load(gw_ref.at[vs, hs], mask).astype(acc)
+    C.store(out_ref.at[vs, hs], (old + tile).astype(out_ref.dtype), mask=mask)
+
+
+def _gw_accumulate(gw, g, h, *, blocks=None, warps=None, stages=None):
+    """gw + g^T @ h (gw: (V, H), g: (C, V), h: (C, H)), written over gw's buffer. float64
+    (derivative checks only; Triton's dot has no float64) takes XLA's product and add."""
+    if gw.dtype == jnp.float64:
+        return gw + jnp.dot(g.T, h, precision=jax.lax.Precision.HIGHEST)
+    (v, hd), c = gw.shape, g.shape[0]
+    bv, bh, bk = blocks or _GW_BLOCKS
+    # Triton's dot wants every side >= 16; smaller inputs take narrower (masked) blocks
+    bv, bh, bk = (min(b, max(16, C.next_power_of_2(d))) for b, d in ((bv, v), (bh, hd), (bk, c)))
+    prec = jax.lax.Precision.HIGHEST if gw.dtype == jnp.float32 else None
+    # Triton's pipeline keeps stages - 1 blocks of both inputs in shared memory (fp32 at four
+    # stages asked for 288 KiB on the H200, which has 227): fewer stages for wider dtypes
+    per_stage = bk * (bv + bh) * jnp.dtype(g.dtype).itemsize
+    stages = max(2, min(stages or _GW_STAGES, 1 + _smem_budget() // per_stage))
+    kern = functools.partial(_gw_acc_kernel, block_v=bv, block_h=bh, block_k=bk, prec=prec)
+    return _launch(kern, name="flce_grad_w", grid=(C.cdiv(hd, bh), C.cdiv(v, bv)),
+                   out_shape=jax.ShapeDtypeStruct(gw.shape, gw.dtype), aliases={0: 0},
+                   num_warps=warps or _GW_WARPS, num_stages=stages)(gw, g, h)
+
+
 def tile_width(n, v, tile_vocab):
     del n
     return max(1, min(int(tile_vocab), v))
@@ -245,11 +330,10 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
     """Row chunks, every column at once (both backends' second strategy): per chunk of C rows,
     z = h[chunk] @ W^T (C, V) fp32, the stats kernel over the whole row (one tile), the grad
     kernel's dL/dz (C, V) in the input dtype, grad_h[chunk] = dz @ W and grad_W += dz^T @
-    h[chunk] (the product and the sum each rounded to the input dtype: XLA does not fold the add
-    into the product here). Three products, eager's count. The chunks are a static Python loop;
-    each chunk's inputs pass through an optimization barrier with the previous chunk's loss rows
-    and grad_h rows, so XLA runs them one after another (about one chunk's logits alive at a
-    time) instead of all at once."""
+    h[chunk] (``_gw_accumulate``, in place, rounded once per chunk). Three products, eager's
+    count. The chunks are a static Python loop; each chunk's inputs pass through an
+    optimization barrier with the previous chunk's loss rows and grad_h rows, so XLA runs them
+    one after another (about one chunk's logits alive at a time) instead of all at once."""
     n, hd = hidden.shape
     v = weight.shape[0]
     dt = hidden.dtype
@@ -264,7 +348,11 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
     w_rows = _row_weights(valid, div, acc)
     coefs = dict(one_minus_eps=1.0 - eps, eps_over_v=eps / v, two_z_loss=2.0 * z_loss)
     losses, gh_parts = [], []
-    gw = jnp.zeros_like(weight) if need_w and n == 0 else None
+    # grad_W starts at zero, not as the first chunk's XLA product: with that product JAX's
+    # peak was 2,390 MiB at 16384 x 4096 x 128256 on the H200, from zero 2,130, the compiled
+    # function itself needing 2,007 (the first call's compile, GEMM autotuning included,
+    # allocates beside it)
+    gw = jnp.zeros_like(weight) if need_w else None
     gb = jnp.zeros((v,), acc) if need_b else None
     last = ()  # the previous chunk's results: the next chunk's inputs wait for them
     for r0 in range(0, n, chunk_rows):
@@ -282,10 +370,8 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
         g = _grad(z, bias, y_c, lse, w_rows[r0:r1], dt, softcap=softcap, **coefs)  # (C, V)
         if need_h:
             gh_parts.append(jnp.dot(g, w_all, preferred_element_type=acc, precision=prec))  # (C, H)
-        if need_w:  # (in the input dtype; each chunk's sum behind a barrier: without it XLA
-            # fused the chunks' adds into one at the end, every chunk's (V, H) product alive)
-            prod = jnp.dot(g.T, h_c, preferred_element_type=dt, precision=prec)  # (V, H)
-            gw = prod if gw is None else jax.lax.optimization_barrier(gw + prod)
+        if need_w:  # every chunk adds into grad_W in place
+            gw = _gw_accumulate(gw, g, h_c)  # (V, H)
         if need_b:
             gb = gb + jnp.sum(g.astype(acc), 0)
         last = (losses[-1], gh_parts[-1] if need_h else None, gb)

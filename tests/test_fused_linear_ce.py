@@ -388,3 +388,30 @@ def test_ops_get_after_a_direct_submodule_import(package):
             f"import {package}; assert {package}.fused_linear_ce is fn\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape,blocks", [
+    pytest.param((256, 64, 32), (128, 32, 16), id="full-blocks"),
+    pytest.param((200, 48, 21), (128, 32, 16), id="ragged"),
+    pytest.param((151936, 896, 1000), None, id="qwen05b-vocab", marks=pytest.mark.gpu),
+])
+def test_pallas_grad_w_accumulate(dtype, shape, blocks):
+    # the Pallas row chunks' in-place grad_W += dz^T h (forge_pallas.fused_linear_ce): with
+    # every block full (no masks in the kernel) and with ragged blocks on all three sides,
+    # against an fp32 product of the same rounded inputs at full precision
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    from forge_pallas import fused_linear_ce as pk
+
+    v, hd, c = shape
+    keys = jax.random.split(jax.random.PRNGKey(c), 3)
+    gw, g, h = (jax.random.normal(k, s, jnp.float32).astype(dtype)
+                for k, s in zip(keys, ((v, hd), (c, v), (c, hd))))
+    want = gw.astype(jnp.float32) + jnp.dot(g.T.astype(jnp.float32), h.astype(jnp.float32),
+                                            precision=jax.lax.Precision.HIGHEST)
+    out = jax.jit(functools.partial(pk._gw_accumulate, blocks=blocks))(gw, g, h)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (v, hd)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+    # one rounding of each result to the output dtype (bf16: 2^-9 of its size), fp32 sums
+    assert err <= (2.0**-8 if dtype == "bfloat16" else 1e-5), err
