@@ -186,11 +186,15 @@ def main():
                     + (["--tile-vocab", str(args.tile_vocab)] if args.tile_vocab else [])
                 p = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 line = [x for x in p.stdout.splitlines() if x.startswith("ROW ")]
-                if p.returncode or not line:
+                if not line:
                     got[impl] = {"case": case, "impl": impl, "error": (p.stderr or p.stdout)[-2000:]}
-                    print(f"{case} {impl}: FAILED\n{got[impl]['error']}", file=sys.stderr)
+                    print(f"{case} {impl}: FAILED (rc {p.returncode})\n{got[impl]['error']}", file=sys.stderr)
                     continue
                 row = json.loads(line[0][4:])
+                if p.returncode:  # measured, then the process died on its way out: say so
+                    row["exit_rc"], row["exit_error"] = p.returncode, p.stderr[-2000:]
+                    print(f"{case} {impl}: measured, then exited with rc {p.returncode}\n"
+                          f"{p.stderr[-1000:]}", file=sys.stderr)
                 for k, t, c in row.get("top_kernels") or []:
                     print(f"  {case} {impl} kernel: {t:8.2f} ms x{c:<4} {k}")
                 if impl in got:  # merge: the step times of every process
@@ -215,7 +219,7 @@ def main():
                 if r["impl"] in ("triton", "pallas") + FORCED:
                     r["meets_target"] = r["time_vs_eager"] <= 1.1 and (r["mem_vs_eager"] or 0) <= 0.1
     cols = ["case", "impl", "ms", "first_call_s", "extra_mib", "jax_peak_mib", "tflops_useful", "time_vs_eager",
-            "mem_vs_eager", "loss", "loss_diff_vs_eager", "meets_target", "skipped"]
+            "mem_vs_eager", "loss", "loss_diff_vs_eager", "meets_target", "exit_rc", "skipped"]
     _common.print_table(rows, cols)
     jpath, cpath = _common.write_results("flce", rows, {"cases": {k: CASES[k] for k in args.cases.split(",")},
                                                           "ignored_fraction": IGNORED})
