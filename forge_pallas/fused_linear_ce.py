@@ -11,10 +11,11 @@ walked in tiles of Vc columns over all rows, so the (N, V) logits never exist.
 
 Full tiles run in a ``fori_loop`` (one compiled body whatever V is); a ragged last tile runs
 once after it with its own static width. With ``chunk_rows`` the row-chunk strategy runs
-instead (``_flce_rows``: eager's three products per chunk of rows, all columns at once).
-Gradients come out of the forward unscaled (the loss
-is a scalar); the caller scales them by the loss's cotangent (bridge/fused_linear_ce.py hands
-them to forge._precomputed, which does it in place on the torch side). Pure JAX, no torch.
+instead (``_flce_rows``: eager's three products per chunk of rows, all columns at once; the
+logits and grad_h products XLA's, grad_W's update the Pallas kernel ``_gw_accumulate``, in
+place). Gradients come out of the forward unscaled (the loss is a scalar); the caller scales
+them by the loss's cotangent (bridge/fused_linear_ce.py hands them to forge._precomputed, which
+does it in place on the torch side). Pure JAX, no torch.
 """
 from __future__ import annotations
 
