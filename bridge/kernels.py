@@ -6,9 +6,9 @@ the spec's torch reference: there is nothing to launch.
 """
 from __future__ import annotations
 
-import torch
-
 import functools
+
+import torch
 
 from forge import _gated_mlp
 from forge.spec import gated_mlp as mlp_spec

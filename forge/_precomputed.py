@@ -28,8 +28,6 @@ _CHUNK_MIN = 2**20
 
 
 _ONE_PASS: list = []  # [Triton's one-pass scaling kernel, or None], resolved on first use
-
-
 _WARM: set = set()  # dtypes the one-pass kernel was compiled for on the calling thread
 
 
