@@ -87,7 +87,7 @@ def _mlp_ops_for(act):
     return _mlp_ops(SWIGLU if kind == "swiglu" else GEGLU, GLU_BWD_ACT[kind])
 
 
-def gated_mlp(x, w_gate, w_up, w_down, *, act="silu"):
+def gated_mlp(x, w_gate, w_up, w_down, *, act="silu", recompute=False):
     """Pallas gated MLP (forge.spec.gated_mlp): torch's products around the bridged GLU kernels."""
     sig = ("gated_mlp", x.shape, x.dtype, x.device, w_gate.shape, w_gate.dtype, w_gate.device,
            w_up.shape, w_up.dtype, w_up.device, w_down.shape, w_down.dtype, w_down.device, act)
@@ -97,7 +97,7 @@ def gated_mlp(x, w_gate, w_up, w_down, *, act="silu"):
         _SEEN.add(sig)
     if x.numel() == 0 or w_gate.shape[0] == 0:
         return mlp_spec.reference(x, w_gate, w_up, w_down, act=act)
-    return _gated_mlp.apply(_mlp_ops_for(act), x, w_gate, w_up, w_down)
+    return _gated_mlp.apply(_mlp_ops_for(act), x, w_gate, w_up, w_down, recompute)
 
 
 _OTHER = {"bhsd": "bshd", "bshd": "bhsd"}

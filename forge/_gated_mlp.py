@@ -8,7 +8,8 @@ kernels through :class:`ActOps`:
 
 The node keeps x, g and u (not h: one rows x I activation less per layer than eager autograd,
 which keeps h as the down projection's input) and is one autograd node where eager has four
-(three linears and the activation): less host time per layer in forward and backward.
+(three linears and the activation): less host time per layer in forward and backward. With
+``recompute`` it keeps x alone and makes g and u again in backward (x @ w_gate^T, x @ w_up^T).
 
 A backend whose ``act_bwd`` writes its results over g, u and dh (``inplace=True``, Triton: the
 saved activations are dead after this backward, so the step allocates nothing rows x I but dh)
@@ -47,25 +48,34 @@ def _no_autocast(ops):
 
 class GatedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, ops):
+    def forward(ctx, x, w_gate, w_up, w_down, ops, recompute):
         with _no_autocast(ops):
             g = F.linear(x, w_gate)  # (..., I); F.linear: one dispatcher call per product
             u = F.linear(x, w_up)
             y = F.linear(ops.act(g, u), w_down)  # h dies here
-        ctx.save_for_backward(x, g, u, w_gate, w_up, w_down)
-        ctx.ops = ops
+        if recompute:  # keep x only: g and u are products of x, made again in backward
+            ctx.save_for_backward(x, w_gate, w_up, w_down)
+        else:
+            ctx.save_for_backward(x, g, u, w_gate, w_up, w_down)
+        ctx.ops, ctx.recompute = ops, recompute
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, g, u, w_gate, w_up, w_down = ctx.saved_tensors
         ops, need = ctx.ops, ctx.needs_input_grad
+        if ctx.recompute:
+            x, w_gate, w_up, w_down = ctx.saved_tensors
+        else:
+            x, g, u, w_gate, w_up, w_down = ctx.saved_tensors
         with _no_autocast(ops):
             dy2 = dy.reshape(-1, dy.shape[-1])
             dh = torch.mm(dy2, w_down)  # (M, I)
+            if ctx.recompute:
+                x2 = x.reshape(-1, x.shape[-1])
+                g, u = torch.mm(x2, w_gate.t()), torch.mm(x2, w_up.t())
             dg, du, h = ops.act_bwd(dh, g.view(dh.shape), u.view(dh.shape))
-            if ops.inplace:
+            if ops.inplace and not ctx.recompute:
                 torch.autograd.graph.increment_version((g, u))
             d_down = torch.mm(dy2.t(), h) if need[3] else None
             del h
@@ -77,13 +87,15 @@ class GatedMLPFunction(torch.autograd.Function):
                 dx = torch.mm(dg, w_gate)
                 dx.addmm_(du, w_up)
                 dx = dx.view(x.shape)
-        return dx, d_gate, d_up, d_down, None
+        return dx, d_gate, d_up, d_down, None, None
 
 
-def apply(ops: ActOps, x, w_gate, w_up, w_down):
-    """y of the gated MLP; without grad mode or anything requiring grad, no node is built."""
+def apply(ops: ActOps, x, w_gate, w_up, w_down, recompute=False):
+    """y of the gated MLP; without grad mode or anything requiring grad, no node is built.
+    ``recompute``: the node keeps x only and makes g and u again in backward (two rows x I
+    activations less per layer, for two more matrix products)."""
     if torch.is_grad_enabled() and (x.requires_grad or w_gate.requires_grad or w_up.requires_grad
                                     or w_down.requires_grad):
-        return GatedMLPFunction.apply(x, w_gate, w_up, w_down, ops)
+        return GatedMLPFunction.apply(x, w_gate, w_up, w_down, ops, recompute)
     with _no_autocast(ops):
         return F.linear(ops.act(F.linear(x, w_gate), F.linear(x, w_up)), w_down)

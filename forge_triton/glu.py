@@ -154,7 +154,7 @@ def _mlp_ops(gelu: bool) -> _gated_mlp.ActOps:
 _MLP_OPS = {False: _mlp_ops(False), True: _mlp_ops(True)}
 
 
-def gated_mlp(x, w_gate, w_up, w_down, *, act: str = "silu"):
+def gated_mlp(x, w_gate, w_up, w_down, *, act: str = "silu", recompute: bool = False):
     """Triton gated MLP (forge.spec.gated_mlp): cuBLAS products around the GLU kernels."""
     if not (_common.hot_tensors(x, w_gate, w_up, w_down) and x.dtype is w_gate.dtype is w_up.dtype
             is w_down.dtype and act in mlp_spec.ACTS and w_gate.dim() == 2 and w_down.dim() == 2
@@ -163,4 +163,4 @@ def gated_mlp(x, w_gate, w_up, w_down, *, act: str = "silu"):
             and x.get_device() == w_gate.get_device() == w_up.get_device() == w_down.get_device()):
         mlp_spec.check(x, w_gate, w_up, w_down, act)
         _common.check_device(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
-    return _gated_mlp.apply(_MLP_OPS[act == "gelu_tanh"], x, w_gate, w_up, w_down)
+    return _gated_mlp.apply(_MLP_OPS[act == "gelu_tanh"], x, w_gate, w_up, w_down, recompute)

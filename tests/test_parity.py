@@ -229,9 +229,9 @@ def _mlp_inputs(shape, dtype, device):
     return (x, *ws)
 
 
-def _mlp_case(x, wg, wu, wd, act):
+def _mlp_case(x, wg, wu, wd, act, **kw):
     return {"tensors": {"x": x, "w_gate": wg, "w_up": wu, "w_down": wd},
-            "diff": ("x", "w_gate", "w_up", "w_down"), "kwargs": {"act": act},
+            "diff": ("x", "w_gate", "w_up", "w_down"), "kwargs": {"act": act, **kw},
             "reductions": mlp_spec.reductions(x, wg, wu, wd), "out_names": ["y"]}
 
 
@@ -241,6 +241,25 @@ def _mlp_case(x, wg, wu, wd, act):
 @pytest.mark.parametrize("shape", _cases(shapes.MLP_CPU, shapes.MLP_GPU))
 def test_gated_mlp(backend, dtype, act, shape, device):
     _check("gated_mlp", backend, mlp_spec.reference, _mlp_case(*_mlp_inputs(shape, dtype, device), act))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", MLP_ACTS)
+@pytest.mark.parametrize("shape", _cases({"odd": shapes.MLP_CPU["odd"]}, {"qwen05b": shapes.MLP_GPU["qwen05b"]}))
+def test_gated_mlp_recompute(backend, dtype, act, shape, device):
+    """recompute=True: the node keeps x and the weights only (g and u made again in backward),
+    and meets the same rule."""
+    case = _mlp_case(*_mlp_inputs(shape, dtype, device), act, recompute=True)
+    _check("gated_mlp", backend, mlp_spec.reference, case)
+    x, wg, wu, wd = (t.detach().requires_grad_() for t in case["tensors"].values())
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        for rc in (False, True):
+            kept.clear()
+            ops.get("gated_mlp", backend)(x, wg, wu, wd, act=act, recompute=rc)
+            saved = {tuple(t.shape) for t in kept}
+            assert (tuple(x.shape[:-1]) + (wg.shape[0],) in saved) is not rc, (rc, saved)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

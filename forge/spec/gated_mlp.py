@@ -13,7 +13,8 @@ Backward, with h = act(g) * u::
 What the fused version changes is memory: eager autograd keeps x, g, u and h (the down
 projection's input) for the backward; the fused op keeps x, g and u and recomputes h inside the
 activation's backward kernel, one (rows x I) activation less per layer. The matrix products are
-the same cuBLAS calls eager makes.
+the same cuBLAS calls eager makes. With ``recompute=True`` it keeps x only and makes g and u again
+in backward: three (rows x I) activations less than eager, for two more products.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def check(x, w_gate, w_up, w_down, act: str = "silu") -> None:
         raise ValueError(f"act must be one of {ACTS}, got {act!r}")
 
 
-def reference(x, w_gate, w_up, w_down, *, act: str = "silu"):
+def reference(x, w_gate, w_up, w_down, *, act: str = "silu", recompute: bool = False):
+    """``recompute`` changes what the fused op keeps for backward, not what it computes."""
     check(x, w_gate, w_up, w_down, act)
     g = F.linear(x, w_gate)
     a = F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
