@@ -38,7 +38,8 @@ MIN_FUSED_ELEMENTS: dict = {
 }
 
 
-def patch(model, mode="train", backend="auto", min_elements=None, kernels=None):
+def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, graphs=False,
+          recompute_mlp=False):
     """Swap forge's kernels into ``model`` (a qwen2/qwen3/gemma/gemma2/llama/mistral
     ``*ForCausalLM``, bare or wrapped by peft or in a ``.model``), per instance; returns it.
 
@@ -48,17 +49,28 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None):
     min_elements: calls of rmsnorm/swiglu/geglu/rope with fewer activation elements run the
         original forward; None = MIN_FUSED_ELEMENTS[backend], 0 = always fused, or a dict per key.
     kernels: restrict to these keys (default: all).
+    graphs: capture each decoder layer's forward (and, with grad on, its backward) in CUDA graphs,
+        per input shape, and replay them (Triton kernels; see forge.patching.graphs for when a
+        call replays and what the graphs hold). Off by default: the graphs keep each shape's
+        activations in their own memory pool between calls, and a call that does not fit them (a
+        mask, a KV cache as in generate(), hooks, a second forward before the first's backward)
+        runs uncaptured. ``model._forge_graphs.stats`` counts replayed and uncaptured passes.
+    recompute_mlp: in training, the fused gated MLP keeps only its input for backward and makes
+        its gate and up products again there: 2 x rows x intermediate activations less per layer
+        (1.9 GB at Qwen2.5-0.5B 4 x 1024) for two more matrix products per layer. The MLP is then
+        fused at every size unless ``min_elements`` names a threshold for it.
 
     Afterwards ``model._forge_patched_counts`` {key: modules or call sites replaced},
     ``model._forge_skipped`` {key: why declined}, ``model._forge_backends`` {key: backend} and
     ``model._forge_guard_stats`` (fused / fallback calls per key; ``.reset()``). The fused loss
     runs when the model is in training mode (``model.train()``) and called with ``labels``: it
-    returns ``loss`` with ``logits=None``; otherwise (eval, no labels, ``generate()``) logits come
-    out as before. Patching again with the same arguments is a no-op.
+    returns ``loss`` with ``logits=None`` (and asks the decoder for no KV cache unless ``use_cache``
+    is passed); otherwise (eval, no labels, ``generate()``) logits come out as before. Patching again with the same arguments is a no-op.
     """
     from .patching.core import patch as _patch
 
-    return _patch(model, mode=mode, backend=backend, min_elements=min_elements, kernels=kernels)
+    return _patch(model, mode=mode, backend=backend, min_elements=min_elements, kernels=kernels, graphs=graphs,
+                  recompute_mlp=recompute_mlp)
 
 
 def unpatch(model):

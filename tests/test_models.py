@@ -171,12 +171,30 @@ def test_peft_lora_model_matches_eager(backend, device):
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_torch_compile_over_patched_model(backend, device):
+def test_torch_compile_over_patched_model(backend, device, monkeypatch):
     # patch, then torch.compile: dynamo traces the patched forwards, each kernel stays opaque to
     # it (a graph break; on the H200 tracing into the kernels failed), and the compiled model
-    # computes what the patched one computes. aot_eager: no C++ compiler needed on CPU
+    # computes what the patched one computes, calling forge's kernels, without recompiling from
+    # one step to the next (the guard counters are not bumped under tracing: dynamo specialised
+    # on them and recompiled each call). aot_eager: no C++ compiler needed on CPU
+    import collections
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     need(backend)
     torch._dynamo.reset()
+    calls, real_get = collections.Counter(), ops.get
+
+    def counted_get(key, b):
+        fn = real_get(key, b)
+
+        def counted(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    monkeypatch.setattr(ops, "get", counted_get)
     model = build_model("qwen2", device=device)
     ids, labels = batch(model, 2, 4, device, seed=11)
     forge.patch(model, backend=backend, min_elements=0)
@@ -188,11 +206,17 @@ def test_torch_compile_over_patched_model(backend, device):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     want = step(model)
-    model._forge_guard_stats.reset()
-    got = step(torch.compile(model, backend="aot_eager"))
+    calls.clear()
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=cnt)
+    got = step(compiled)
     torch.testing.assert_close(got, want)
+    ran = {"swiglu": calls["swiglu"] + calls["gated_mlp"]}
     for key in model._forge_patched_counts:
-        assert model._forge_guard_stats.fused(key) > 0, f"{key} did not run fused under torch.compile"
+        assert ran.get(key, calls[key]) > 0, f"{key} did not run fused under torch.compile: {dict(calls)}"
+    frames = cnt.frame_count
+    step(compiled)
+    assert cnt.frame_count == frames, f"recompiled on the second step ({frames} -> {cnt.frame_count} frames)"
     torch._dynamo.reset()
 
 

@@ -140,6 +140,20 @@ def test_default_threshold_per_mode(qwen2, monkeypatch):
     assert qwen2._forge_guard_stats.fused("swiglu") == 2
 
 
+def test_recompute_mlp_fuses_the_mlp_at_every_size(qwen2, monkeypatch):
+    # recompute_mlp asks for the MLP's memory saving: in training the MLP's default threshold is
+    # then 0; a threshold the caller names still applies
+    monkeypatch.setattr(forge, "MIN_FUSED_ELEMENTS", {"triton": {"train": {"swiglu": NEVER, "rmsnorm": NEVER}}})
+    forge.patch(qwen2, backend="triton", kernels=["rmsnorm", "swiglu"], recompute_mlp=True)
+    logits(qwen2, ids_for(qwen2))
+    stats = qwen2._forge_guard_stats
+    assert (stats.fused("swiglu"), stats.fallback("swiglu")) == (2, 0)
+    assert (stats.fused("rmsnorm"), stats.fallback("rmsnorm")) == (0, 5)
+    forge.patch(qwen2, backend="triton", kernels=["swiglu"], recompute_mlp=True, min_elements={"swiglu": NEVER})
+    logits(qwen2, ids_for(qwen2))
+    assert (qwen2._forge_guard_stats.fused("swiglu"), qwen2._forge_guard_stats.fallback("swiglu")) == (0, 2)
+
+
 def test_shipped_defaults_resolve_for_every_kernel():
     # the calibrated table names every shape-sensitive kernel, in both modes, for both backends
     from forge.spec import SHAPE_SENSITIVE

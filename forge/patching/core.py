@@ -13,15 +13,17 @@ RoPE, re-creating each decorator wrapper (``deprecate_kwarg`` and friends, found
 
 Fused loss: the CausalLM forward is rebuilt the same way with its innermost function replaced.
 In a model in training mode (``model.training``) called with ``labels`` and
-``logits_to_keep=0``, it runs the decoder, shifts the labels like HF's ``ForCausalLMLoss``
-(pad with ignore_index, drop the first), and returns the fused loss with ``logits=None``
+``logits_to_keep=0``, it runs the decoder (``use_cache=False`` unless given), shifts the labels
+like HF's ``ForCausalLMLoss`` (pad with ignore_index, drop the first), and returns the fused loss with ``logits=None``
 (``num_items_in_batch``, ``ignore_index``, ``shift_labels`` and gemma2's
 ``final_logit_softcapping`` honoured). Every other call (no labels, ``model.eval()``, a
 ``logits_to_keep``, ``generate()``) runs the original forward: an evaluation loop gets its logits.
 
 Order: LoRA first (``forge.patching.lora.apply(model, patcher)``), then the generic walker
 (rmsnorm, swiglu/geglu, rope), which leaves alone every module that already has an instance-level
-forward (taken by LoRA, or by someone else such as accelerate's hooks), then the fused loss.
+forward (taken by LoRA, or by someone else such as accelerate's hooks), then the fused loss, then
+(``graphs=True``, ``graphs.py``) each decoder layer's forward wrapped in its graph replay, which
+falls back per call to the layer's own forward with forge's kernels inside.
 """
 from __future__ import annotations
 
@@ -35,12 +37,13 @@ from .. import errors, ops
 from ..spec import KERNELS
 from . import arch as _arch
 from . import forwards as fw
+from . import graphs as _graphs
 from .guard import GuardStats
 from .patcher import TRAIN_ONLY, Patcher, restore
 
 MODES = ("train", "infer")
 LORA_KEYS = ("lora_qkv", "lora_mlp")
-_PUBLIC = ("_forge_patched_counts", "_forge_skipped", "_forge_guard_stats", "_forge_backends")
+_PUBLIC = ("_forge_patched_counts", "_forge_skipped", "_forge_guard_stats", "_forge_backends", "_forge_graphs")
 
 
 @dataclasses.dataclass
@@ -54,9 +57,12 @@ class _State:
 # arguments and model resolution
 
 
-def _normalize(mode, backend, min_elements, kernels):
+def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp=False):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, v in (("graphs", graphs), ("recompute_mlp", recompute_mlp)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be True or False, got {v!r}")
     if kernels is None:
         requested, explicit = KERNELS, False
     else:
@@ -88,7 +94,7 @@ def _normalize(mode, backend, min_elements, kernels):
                 raise ValueError(f"min_elements must be None, a non-negative int or a dict of them, got {v!r}")
         if isinstance(min_elements, dict):
             min_elements = dict(min_elements)
-    return mode, backend, min_elements, tuple(requested), explicit
+    return mode, backend, min_elements, tuple(requested), graphs, recompute_mlp, explicit
 
 
 def _unwrap(model):
@@ -129,22 +135,23 @@ def _arch_of(root):
 # public API
 
 
-def patch(model, mode="train", backend="auto", min_elements=None, kernels=None):
+def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, graphs=False, recompute_mlp=False):
     """Swap forge kernels into ``model`` (see ``forge.patch``); returns ``model``.
 
     Patching again with the same arguments is a no-op; with different ones the model is
     unpatched first. Any error while patching leaves the model unpatched.
     """
-    args = _normalize(mode, backend, min_elements, kernels)
+    args = _normalize(mode, backend, min_elements, kernels, graphs, recompute_mlp)
     chain, root = _unwrap(model)
     arch = _arch_of(root)
     state = root.__dict__.get("_forge_state")
     if state is not None:
-        if state.args == args[:4]:
+        if state.args == args[:6]:
             return model
         unpatch(model)
-    mode, backend_req, min_req, requested, explicit = args
+    mode, backend_req, min_req, requested, graphs, recompute_mlp, explicit = args
     p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit)
+    p.recompute_mlp = recompute_mlp
     # an explicitly named backend that cannot run here is an error, not a skip
     for b in sorted({backend_req[k] for k in requested} - {"auto"}):
         ops.require(b)
@@ -156,11 +163,12 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None):
         _apply_lora(root, p)
         _walk(root, arch, p)
         _apply_fused_ce(root, arch, p)
+        g = _apply_graphs(root, p) if graphs else None
     except BaseException:
         p.restore()
         raise
-    root.__dict__["_forge_state"] = _State(args[:4], p._records, chain)
-    public = (dict(p.counts), dict(p.skipped), p.stats, p.backends())
+    root.__dict__["_forge_state"] = _State(args[:6], p._records, chain)
+    public = (dict(p.counts), dict(p.skipped), p.stats, p.backends(), g)
     for obj in chain:
         for name, value in zip(_PUBLIC, public):
             object.__setattr__(obj, name, value)
@@ -268,7 +276,8 @@ def _apply_glu(p, arch, mlps):
         if p.is_replaced(mod) or not all(isinstance(getattr(mod, n, None), nn.Module) for n in _arch.MLP_PROJ):
             continue
         width = getattr(mod.gate_proj, "out_features", None) or mod.intermediate_size
-        fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod).forward, width, thr, ks)
+        fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod).forward, width, thr, ks,
+                             p.recompute_mlp)
         p.replace_forward(mod, key, types.MethodType(fwd, mod))
     if key not in p.counts:
         p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")
@@ -363,3 +372,27 @@ def _apply_fused_ce(root, arch, p):
         p.skip(key, str(e))
         return
     p.replace_forward(root, key, types.MethodType(fn, root))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs around the decoder layers
+
+
+def _apply_graphs(root, p):
+    """Wrap each decoder layer's forward in its graph replay (forge.patching.graphs); returns the
+    Graphs object (``model._forge_graphs``), or None with the reason in ``_forge_skipped``."""
+    for key in ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_mlp"):
+        if key in p.counts and p.backend(key) != "triton":
+            raise ValueError(
+                f"graphs=True needs the triton backend for the kernels inside the decoder layers; {key!r} "
+                f"runs on {p.backend(key)!r} (JAX launches its kernels on its own stream, outside a torch "
+                "CUDA graph): patch with backend='triton' or graphs=False")
+    layers, why = _graphs.decoder_layers(root)
+    if layers is None:
+        p.skip("graphs", why)
+        return None
+    forwards = [type(layer).forward for layer in layers]
+    g = _graphs.Graphs(root, layers, forwards)
+    for i, (layer, orig) in enumerate(zip(layers, forwards)):
+        p.replace_forward(layer, "graphs", types.MethodType(_graphs.layer_forward(g, i, orig), layer))
+    return g

@@ -6,7 +6,9 @@ casting constants, the guard threshold and its counter) and returns a function o
 which ``core`` binds to the module instance. Weights are read from ``self`` at call time: FSDP2
 swaps sharded and gathered parameters around each forward, and ``copy.deepcopy`` rebinds the
 method to the copy's module. The guard is one integer comparison plus one counter bump per call
-(about 150 ns on a CPU core, so ~0.2 ms over the ~1,400 calls of a 24-layer forward).
+(about 150 ns on a CPU core, and ~160 ns more for the torch.compile check before the bump). While
+``graphs.py`` captures the decoder layers (``CAPTURE.on``) every call fuses: a replay pays no
+host time per kernel, which is what the thresholds weigh.
 """
 from __future__ import annotations
 
@@ -21,18 +23,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._gated_mlp import _any_autocast
+from .guard import CAPTURE
 
 
 def rmsnorm_forward(kernel, orig, eps_attr, casting, offset, threshold, ks):
     def forward(self, x):
-        if x.numel() >= threshold:
-            ks.fused += 1
+        if x.numel() >= threshold or CAPTURE.on:
+            if not _compiling():
+                ks.fused += 1
             return kernel(x, self.weight, getattr(self, eps_attr), casting=casting, offset=offset)
-        ks.fallback += 1
+        if not _compiling():
+            ks.fallback += 1
         return orig(self, x)
 
     return forward
 
+
+# The guard counters are not bumped inside torch.compile's tracing: dynamo would specialise on
+# each count and recompile every call (it hit its recompile limit on the H200, session 6).
+_compiling = torch.compiler.is_compiling
 
 _PLAIN_PARAMS = (nn.Parameter, torch.Tensor)
 _module_mod = nn.modules.module
@@ -47,22 +56,25 @@ def _plain_linear(m, dtype) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
 
 
-def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks):
+def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks, recompute=False):
     """``mlp``: the gated MLP (forge.spec.gated_mlp): in train mode one autograd node under
     autograd; without autograd (either mode) bare F.linear calls around the kernel (no module
     call overhead). Taken when the three projections are plain bias-free Linears (no autocast,
-    no hooks, weights not sharded); otherwise the projections run as modules around ``kernel``."""
+    no hooks, weights not sharded); otherwise the projections run as modules around ``kernel``.
+    ``recompute``: the gated MLP keeps only its input for backward (forge.patch(recompute_mlp=))."""
     def forward(self, x):
         # activation elements of the fused call: rows x intermediate width
-        if x.numel() // x.shape[-1] * width >= threshold:
-            ks.fused += 1
+        if x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on:
+            if not _compiling():
+                ks.fused += 1
             gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
             if (mlp is not None and (train or not torch.is_grad_enabled()) and _plain_linear(gp, x.dtype)
                     and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype) and not _any_autocast()
                     and not (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks)):
-                return mlp(x, gp.weight, up.weight, dp.weight, act=act)
+                return mlp(x, gp.weight, up.weight, dp.weight, act=act, recompute=recompute)
             return dp(kernel(gp(x), up(x)))
-        ks.fallback += 1
+        if not _compiling():
+            ks.fallback += 1
         return orig(self, x)
 
     return forward
@@ -122,10 +134,12 @@ def rope_function(kernel, orig, threshold, ks):
         # forge's kernel takes HF's 4-argument call (optionally unsqueeze_dim) with full-width
         # cos/sin; anything else (partial rotary, legacy position_ids) runs HF's function
         if (not args and (not kwargs or kwargs.keys() == {"unsqueeze_dim"})
-                and q.numel() + k.numel() >= threshold and cos.shape[-1] == q.shape[-1]):
-            ks.fused += 1
+                and (q.numel() + k.numel() >= threshold or CAPTURE.on) and cos.shape[-1] == q.shape[-1]):
+            if not _compiling():
+                ks.fused += 1
             return kernel(q, k, cos, sin, kwargs.get("unsqueeze_dim", 1))
-        ks.fallback += 1
+        if not _compiling():
+            ks.fallback += 1
         return orig(q, k, cos, sin, *args, **kwargs)
 
     return apply_rotary_pos_emb
@@ -143,7 +157,8 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
     @functools.wraps(inner)  # keeps HF's signature visible (generate() inspects logits_to_keep)
     def forward(self, *args, **kwargs):
         if not self.training:
-            ks.fallback += 1
+            if not _compiling():
+                ks.fallback += 1
             return inner(self, *args, **kwargs)
         a = sig.bind(self, *args, **kwargs).arguments
         labels, keep = a.get("labels"), a.get("logits_to_keep", 0)
@@ -151,13 +166,16 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         # a sharded lm_head (FSDP2 DTensor) is gathered only by its own forward: let HF call it
         plain = type(w) is nn.Parameter or type(w) is torch.Tensor
         if labels is None or not (isinstance(keep, int) and keep == 0) or not plain:
-            ks.fallback += 1
+            if not _compiling():
+                ks.fallback += 1
             return inner(self, *args, **kwargs)
         extra = dict(a.get(varkw) or {}) if varkw else {}
         # the decoder gets what HF's forward passes it: every named input but the two consumed
         # here, plus the extra kwargs (HF passes num_items_in_batch etc. to both)
         model_kwargs = {n: a[n] for n in named if n in a and n not in ("labels", "logits_to_keep")}
         model_kwargs.update(extra)
+        if "use_cache" in named and "use_cache" not in a:
+            model_kwargs["use_cache"] = False  # a loss without logits has no use for a KV cache
         outputs = getattr(self, self.base_model_prefix)(**model_kwargs)
         hidden = outputs.last_hidden_state  # (B, S, H)
         ignore_index = extra.get("ignore_index", -100)
@@ -171,7 +189,8 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         softcap = getattr(self.config, softcap_attr, None) if softcap_attr else None
         loss = kernel(h, w, shift.reshape(-1).to(h.device), lm.bias, ignore_index=ignore_index,
                       num_items_in_batch=extra.get("num_items_in_batch"), softcap=softcap)
-        ks.fused += 1
+        if not _compiling():
+            ks.fused += 1
         return CausalLMOutputWithPast(loss=loss, logits=None, **{f: getattr(outputs, f, None) for f in passthrough})
 
     return forward

@@ -5,7 +5,9 @@ shape-sensitive kernel (rmsnorm, swiglu, geglu, rope) runs only when the call ha
 ``min_elements`` activation elements, else the original forward runs. It executes about 1,400
 times per forward of a 24-layer model, so it must cost next to nothing: the closure holds its
 threshold as a local int and its counter object directly, and bumps one attribute per call
-(tens of nanoseconds; no dict lookup, no lock, no host sync).
+(tens of nanoseconds; no dict lookup, no lock, no host sync), after a ``torch.compiler.
+is_compiling()`` check (~160 ns; under torch.compile's tracing the count is not bumped: dynamo
+would specialise on it and recompile each call).
 
 Read the counts from a patched model::
 
@@ -16,6 +18,19 @@ Read the counts from a patched model::
 Counts are per call, so gradient checkpointing (which re-runs the forward) counts a layer twice.
 """
 from __future__ import annotations
+
+
+class _Capture:
+    """``CAPTURE.on`` is True while forge captures CUDA graphs (``graphs.py``): the guards then
+    fuse every call, whatever its size (looked up only when a call is below its threshold)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+CAPTURE = _Capture()
 
 
 class KeyStats:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from . import arch as _arch
+from .forwards import _compiling
 
 QKV = ("q_proj", "k_proj", "v_proj")
 _ACT = {name: act for act, names in (("silu", _arch.GLU_ACTS["swiglu"]), ("gelu_tanh", _arch.GLU_ACTS["geglu"]))
@@ -164,17 +165,20 @@ def _mlp_forward(kernel, act, lora_linear, ks):
         mods = self._modules
         ps = [fused_params(mods[n], lora_linear, False) for n in _arch.MLP_PROJ]
         if None in ps:
-            ks.fallback += 1
+            if not _compiling():
+                ks.fallback += 1
             return type(self).forward(self, x, *args, **kwargs)
         (wg, _, ag, bg, sg), (wu, _, au, bu, su), (wd, _, ad, bd, sd) = ps
         cd = _compute_dtype(x, args, kwargs, wg)
         if cd is None or not (ag.dtype == au.dtype == ad.dtype):
-            ks.fallback += 1
+            if not _compiling():
+                ks.fallback += 1
             return type(self).forward(self, x, *args, **kwargs)
         ts = (x, wg, ag, bg, wu, au, bu, wd, ad, bd)
         if torch.is_autocast_enabled(x.device.type):
             ts = _cast(cd, *ts)
-        ks.fused += 1
+        if not _compiling():
+            ks.fused += 1
         return kernel(*ts, scale_gate=sg, scale_up=su, scale_down=sd, act=act)
 
     return forward
@@ -196,10 +200,12 @@ def _qkv_forwards(kernel, lora_linear, ks):
                     ts = _cast(cd, *ts)
                 q, k, v = kernel(*ts, scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4])
                 slots[id(attn)] = [x, x._version, torch.is_grad_enabled(), k, v]
-                ks.fused += 1
+                if not _compiling():
+                    ks.fused += 1
                 return q
         slots.pop(id(attn), None)
-        ks.fallback += 1
+        if not _compiling():
+            ks.fallback += 1
         q_l = layers[0]
         return type(q_l).forward(q_l, x, *args, **kwargs)
 

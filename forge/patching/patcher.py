@@ -34,6 +34,7 @@ class Patcher:
         self.skipped: dict[str, str] = {}
         self._backend_req, self._min_req = backend_req, min_req
         self._requested, self.explicit = requested, explicit
+        self.recompute_mlp = False  # core.patch sets it (forge.patch(recompute_mlp=))
         self._loaded: dict[str, tuple] = {}
         self._records: list[list] = []       # [module, had_instance_forward, old_forward, key]
         self._by_id: dict[int, list] = {}
@@ -75,6 +76,8 @@ class Patcher:
             return m[key]
         if isinstance(m, int):
             return m
+        if self.recompute_mlp and self.mode == "train" and key in ("swiglu", "geglu"):
+            return 0  # asked for the MLP's memory saving: fused at every size
         import forge  # read at patch time so a user (or the calibration) can change it
 
         d = forge.MIN_FUSED_ELEMENTS.get(self.backend(key), 0)

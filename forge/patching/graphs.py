@@ -1,0 +1,467 @@
+"""CUDA graphs around the decoder layers: ``forge.patch(model, graphs=True)``.
+
+A small model's step is host-bound: at Qwen2.5-0.5B train 4 x 1024 the H200 is busy ~32 ms of
+a ~70 ms forge step, at infer 4 x 1024 ~8 ms of ~16 (bench/results/NOTES.md, session 3); the
+rest is Hugging Face's Python and torch's per-op dispatch, ~40 launches per layer forward and ~80
+backward. With graphs on, each decoder layer's forward and backward are captured once per input
+shape and replayed: one launch each, whatever forge's kernels and the layer's own ops inside.
+
+What is captured, per *set* (one per kind of pass: grad mode on or off, the layers' training
+flag, the hidden states' shape, dtype, device and requires_grad, cos/sin's shapes and dtypes):
+for every layer, its forward (the layer's own forward with forge's kernels patched inside; the
+size guard always fuses there, since a replay pays no host time per kernel) and, with grad mode
+on, its backward (``torch.autograd.grad`` of the layer's output with respect to its input and
+trainable parameters), all in one private memory pool, captured in the order a step runs them:
+forward 0..N-1, then backward N-1..0. A forward without grad (inference, evaluation) replays its
+forward graphs alone. The second call of a new kind captures (two warm-up passes, then the
+capture: about a second at Qwen2.5-0.5B's size; a shape seen once, such as a one-off prompt,
+is never captured); at most ``MAX_SETS`` sets are kept. A forward without grad into an empty
+``DynamicCache`` (a prefill, HF's default ``use_cache=True``) is captured too: the graphs write
+the keys and values, which the replay hands to the cache's ``update``.
+
+Memory: each layer's activations live in the pool at fixed addresses (as many as eager autograd
+keeps at the end of a forward), held between steps until ``forge.unpatch``. torch's
+``memory_allocated`` does not count pool memory that no live tensor holds
+(``graph_pool_bytes`` does; bench_patch_bisect adds it to the peak it reports). Layer i+1 reads
+layer i's output buffer in place; the hidden-state gradient goes through one buffer shared by all
+layers, the parameter gradients through one flat buffer shared by all layers; both are cloned per
+layer in backward, so no gradient autograd hands on aliases graph memory (``.grad`` accumulates
+as usual).
+
+A call replays only when replaying is safe and gives what the uncaptured forward would; else it
+runs the forward as patched without graphs (counted in ``stats``, with the reason):
+
+- the pass: no gradient checkpointing, no autocast, not under torch.compile, CUDA hidden
+  states, ``attention_mask`` None (the causal mask left to SDPA), no KV cache but an empty
+  ``DynamicCache`` without grad (the fused loss asks the decoder for none in training; the
+  decoding steps of ``generate()`` run uncaptured), attention ``sdpa`` or
+  ``eager`` (position_ids unused), no other arguments, no hooks on the layers or their modules,
+  parameters the same tensors at the same addresses with the same requires_grad as captured;
+- the layers are called in order 0..N-1, each on the previous one's output with the same cos/sin
+  (anything else ends the pass's replay, and the rest of the pass runs uncaptured);
+- no earlier replay still waits for its backward: a second forward before the first's backward
+  would overwrite the activations that backward reads. A forward whose graph was dropped
+  without a backward (evaluation with grad on, an exception) does not block.
+
+A second backward through a replayed layer (``retain_graph=True``) raises: the first backward's
+buffers were reused. Graphs need Triton kernels: JAX launches Pallas kernels on its own stream,
+outside torch's capture, so ``graphs=True`` with a Pallas layer kernel is refused at patch time.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .._gated_mlp import _any_autocast
+from .guard import CAPTURE
+
+MAX_SETS = 4          # input shapes captured per model; calls of further shapes run uncaptured
+MAX_CAPTURES = 8      # captures per patch (a set dropped for changed parameters is captured again)
+WARMUP = 2            # passes before capture (Triton compiles, cuBLAS and SDPA pick kernels)
+ATTN_OK = ("sdpa", "eager")
+# arguments HF's decoder loops pass; position_ids / cache_position / num_items_in_batch are not
+# read by sdpa or eager attention without a cache
+_KWARGS = frozenset({"attention_mask", "position_embeddings", "position_ids", "cache", "past_key_values",
+                     "use_cache", "cache_position", "num_items_in_batch"})
+_module_mod = nn.modules.module
+
+
+def decoder_layers(root):
+    """The decoder's layer list (``root.<base_model_prefix>.layers``), or a reason why not."""
+    decoder = getattr(root, getattr(root, "base_model_prefix", "model"), None)
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None, f"{type(root).__name__} has no decoder layer list (.{root.base_model_prefix}.layers)"
+    for i, layer in enumerate(layers):
+        if "forward" in layer.__dict__:
+            return None, f"decoder layer {i} already has an instance-level forward (hooks of another library)"
+    return list(layers), None
+
+
+def graph_pool_bytes(model) -> int:
+    """Bytes held by ``model``'s graph pools that no live tensor holds (invisible to torch's
+    ``memory_allocated``; replays write there). 0 without graphs."""
+    g = getattr(model, "_forge_graphs", None)
+    if g is None or not g.sets:
+        return 0
+    pools = {s.pool for s in g.sets.values()}
+    held = 0
+    for seg in torch.cuda.memory_snapshot():
+        if tuple(seg.get("segment_pool_id", (0, 0))) in pools:
+            held += sum(b["size"] for b in seg["blocks"] if b["state"] != "active_allocated")
+    return held
+
+
+class _Token:
+    """One replayed layer forward, kept by its autograd node; the layer keeps a weak reference."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self):
+        self.done = False
+
+
+class _Layer:
+    # g, flat: the set's shared gradient buffers (held here, not the set: no reference cycle, so
+    # unpatch frees the graphs and their pool at once, never in a garbage collection mid-capture)
+    __slots__ = ("g", "flat", "fwd", "bwd", "x", "out", "params", "grad_mask", "nflat", "x_grad", "copy_in", "last",
+                 "kv")
+
+
+class _Set:
+    """The graphs of every layer for one input shape, and the buffers they share."""
+
+    def __init__(self, key, grad):
+        self.key, self.grad = key, grad
+        self.layers: list[_Layer] = []
+        self.pool = None
+        self.cos = self.sin = self.g = self.flat = None
+        self.recorder = self.cache_name = None  # a prefill into an empty KV cache
+        self.checks: list = []  # (module, name, tensor, data_ptr, requires_grad) per param/buffer
+
+    def unchanged(self) -> bool:
+        for mod, name, t, ptr, rg in self.checks:
+            cur = mod._parameters.get(name) if rg is not None else mod._buffers.get(name)
+            if cur is not t or t.data_ptr() != ptr or (rg is not None and t.requires_grad is not rg):
+                return False
+        return True
+
+    def pending(self) -> bool:
+        for lg in self.layers:
+            t = lg.last() if lg.last is not None else None
+            if t is not None and not t.done:
+                return True
+        return False
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lg, x, *params):
+        if lg.copy_in:
+            lg.x.copy_(x)
+        lg.fwd.replay()
+        tok = _Token()
+        lg.last = weakref.ref(tok)
+        ctx.lg, ctx.tok = lg, tok
+        return lg.out.detach()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        lg, tok = ctx.lg, ctx.tok
+        if tok.done:
+            raise RuntimeError(
+                "forge graphs: a second backward through a replayed decoder layer (retain_graph=True) "
+                "would read activations the first backward's graphs overwrote; patch with graphs=False")
+        tok.done = True
+        lg.g.copy_(g)
+        lg.bwd.replay()
+        # a clone: the next backward replay overwrites lg.g, and autograd may keep this gradient
+        # (a leaf's .grad, retain_grad)
+        gx = lg.g.clone() if lg.x_grad else None
+        grads = [None] * len(lg.params)
+        if lg.nflat:
+            flat = lg.flat[:lg.nflat].clone()
+            views = torch._utils._unflatten_dense_tensors(flat, [p for p, m in zip(lg.params, lg.grad_mask) if m])
+            it = iter(views)
+            grads = [next(it) if m else None for m in lg.grad_mask]
+        return (None, gx, *grads)
+
+
+class Stats:
+    __slots__ = ("replayed", "uncaptured", "captures", "why")
+
+    def __init__(self):
+        self.replayed = self.uncaptured = self.captures = 0
+        self.why: dict[str, int] = {}
+
+    def as_dict(self):
+        return {"replayed": self.replayed, "uncaptured": self.uncaptured, "captures": self.captures,
+                "why_uncaptured": dict(self.why)}
+
+    def __repr__(self):
+        return f"GraphStats({self.as_dict()})"
+
+
+class _KVRecorder:
+    """Stands in for an empty KV cache while a prefill is captured: ``update`` keeps the key and
+    value states it is given (the graph's static tensors) and returns them, as an empty
+    DynamicCache layer returns what it was given."""
+
+    def __init__(self):
+        self.kv: dict[int, tuple] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.kv[layer_idx] = (key_states, value_states)
+        return key_states, value_states
+
+
+class Graphs:
+    """Per patched model: the captured sets and the state of the pass in flight."""
+
+    def __init__(self, root, layers, forwards):
+        self.root, self.layers, self.forwards = root, layers, forwards
+        self.sets: dict[tuple, _Set] = {}
+        self.seen: dict[tuple, int] = {}  # keys seen once: captured the second time
+        self.failed: dict[tuple, str] = {}  # (grad, cache) -> why its capture failed
+        self.stats = Stats()
+        self._mods = [list(layer.modules()) for layer in layers]
+        try:
+            from transformers.cache_utils import DynamicCache as _DC
+        except ImportError:  # pragma: no cover - every supported transformers has it
+            _DC = None
+        self._dynamic_cache = _DC
+        self.cur: _Set | None = None
+        self.nxt = 0
+        self.last_out = self.pcos = self.psin = self.pcache = None
+
+    def __deepcopy__(self, memo):
+        return self  # copy.deepcopy(model): the copy's layers call this object and run uncaptured
+
+    # -- one decoder pass --------------------------------------------------------------------
+    def call(self, i, layer, x, args, kwargs):
+        """The layer's output from its graph, or None: run the uncaptured forward."""
+        if layer is not self.layers[i]:
+            return None  # a deep copy of the model: its layers were never captured
+        if i == 0:
+            self.cur = None
+            why = self._begin(layer, x, args, kwargs)
+            if why is not None:
+                self.stats.uncaptured += 1
+                self.stats.why[why] = self.stats.why.get(why, 0) + 1
+                return None
+        s = self.cur
+        if s is None:
+            return None
+        pe = kwargs.get("position_embeddings")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if (self.nxt != i or args or (i and x is not self.last_out) or type(pe) is not tuple
+                or pe[0] is not self.pcos or pe[1] is not self.psin or kwargs.get("attention_mask") is not None
+                or cache is not self.pcache):
+            self._end()  # out of step with the capture: the rest of this pass runs uncaptured
+            self.stats.why["pass broken"] = self.stats.why.get("pass broken", 0) + 1
+            return None
+        lg = s.layers[i]
+        if s.grad:
+            out = _Replay.apply(lg, x, *lg.params)
+        else:  # no autograd: the forward's graph alone
+            if lg.copy_in:
+                lg.x.copy_(x)
+            lg.fwd.replay()
+            out = lg.out.detach()
+            if lg.kv is not None:  # the prefill's keys and values into the caller's cache
+                cache.update(*lg.kv)
+        if i + 1 == len(s.layers):
+            self._end()
+            self.stats.replayed += 1
+        else:
+            self.nxt, self.last_out = i + 1, out
+        return out
+
+    def _end(self):
+        self.cur, self.last_out, self.pcos, self.psin, self.pcache = None, None, None, None, None
+
+    def _begin(self, layer, x, args, kwargs):
+        grad = torch.is_grad_enabled()
+        if args or kwargs.keys() - _KWARGS:
+            return "arguments other than HF's decoder loop's"
+        if kwargs.get("attention_mask") is not None:
+            return "attention mask"
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and (grad or type(cache) is not self._dynamic_cache or cache.get_seq_length() != 0):
+            return "KV cache (not an empty DynamicCache in a forward without grad)"
+        pe = kwargs.get("position_embeddings")
+        if type(pe) is not tuple or len(pe) != 2 or not all(isinstance(t, torch.Tensor) for t in pe):
+            return "no position_embeddings (cos, sin)"
+        if not isinstance(x, torch.Tensor) or type(x) not in (torch.Tensor, nn.Parameter) or not x.is_cuda:
+            return "hidden states not a CUDA tensor"
+        if grad and layer.training and getattr(layer, "gradient_checkpointing", False):
+            return "gradient checkpointing"
+        if _any_autocast():
+            return "autocast"
+        if torch.compiler.is_compiling():
+            return "torch.compile"
+        if getattr(self.root.config, "_attn_implementation", None) not in ATTN_OK:
+            return f"attention implementation not in {ATTN_OK}"
+        if self._hooked():
+            return "module hooks"
+        kind = (grad, cache is not None)
+        if kind in self.failed:
+            return self.failed[kind]
+        cos, sin = pe
+        key = (*kind, layer.training, tuple(x.shape), x.dtype, x.device, x.requires_grad, tuple(cos.shape),
+               cos.dtype, tuple(sin.shape), sin.dtype)
+        s = self.sets.get(key)
+        if s is not None and not s.unchanged():
+            del self.sets[key]  # parameters replaced, moved or (un)frozen since the capture:
+            self.seen[key] = 1  # captured again now (the shape does come back)
+            s = None
+        if s is None:
+            n = self.seen.get(key, 0) + 1
+            if n < 2:  # a shape seen once may never come back: capture it the second time
+                if len(self.seen) > 256:
+                    self.seen.clear()
+                self.seen[key] = n
+                return "first call of this shape"
+            if len(self.sets) >= MAX_SETS:
+                return f"more than {MAX_SETS} shapes captured"
+            if self.stats.captures >= MAX_CAPTURES:
+                return f"more than {MAX_CAPTURES} captures"
+            s = self._capture(key, kind, x, cos, sin, "cache" if "cache" in kwargs else "past_key_values")
+            if s is None:
+                return self.failed[kind]
+            self.seen.pop(key, None)
+        if s.grad and s.pending():
+            return "an earlier replay's backward has not run"
+        s.cos.copy_(cos)
+        s.sin.copy_(sin)
+        self.cur, self.nxt, self.pcos, self.psin, self.pcache = s, 0, cos, sin, cache
+        return None
+
+    def _hooked(self) -> bool:
+        if (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks
+                or _module_mod._global_backward_hooks or _module_mod._global_backward_pre_hooks):
+            return True
+        for mods in self._mods:
+            for m in mods:
+                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                    return True
+        return False
+
+    # -- capture -----------------------------------------------------------------------------
+    def _run(self, i, x, s):
+        kw = {s.cache_name: s.recorder, "use_cache": True} if s.recorder is not None else {}
+        return self.forwards[i](self.layers[i], x, attention_mask=None, position_embeddings=(s.cos, s.sin), **kw)
+
+    def _capture(self, key, kind, x0, cos, sin, cache_name):
+        try:
+            s = self._capture_set(key, kind, x0, cos, sin, cache_name)
+        except Exception as e:  # noqa: BLE001 - never break the call: this kind runs uncaptured from now on
+            self.failed[kind] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
+            import warnings
+
+            warnings.warn(f"forge graphs: {self.failed[kind]}; such calls run uncaptured", RuntimeWarning,
+                          stacklevel=4)
+            torch.cuda.synchronize()
+            return None
+        self.sets[key] = s
+        self.stats.captures += 1
+        return s
+
+    def _capture_set(self, key, kind, x0, cos, sin, cache_name):
+        s = _Set(key, kind[0])
+        if kind[1]:
+            s.recorder, s.cache_name = _KVRecorder(), cache_name
+        dev = x0.device
+        for layer in self.layers:
+            for mod in layer.modules():
+                for name, p in mod._parameters.items():
+                    if p is not None:
+                        s.checks.append((mod, name, p, p.data_ptr(), p.requires_grad))
+                for name, b in mod._buffers.items():
+                    if b is not None:
+                        s.checks.append((mod, name, b, b.data_ptr(), None))
+        trainable = [[p for p in layer.parameters() if p.requires_grad and s.grad] for layer in self.layers]
+        if any(len({p.dtype for p in ps}) > 1 for ps in trainable):
+            raise ValueError("a layer's trainable parameters are of more than one dtype")
+        s.cos, s.sin = cos.detach().clone(), sin.detach().clone()
+        s.g = torch.zeros_like(x0)
+        nflat = max((sum(p.numel() for p in ps) for ps in trainable), default=0)
+        pdtype = next((ps[0].dtype for ps in trainable if ps), x0.dtype)
+        s.flat = torch.zeros(max(nflat, 1), dtype=pdtype, device=dev)
+        x_in = torch.zeros_like(x0).requires_grad_(x0.requires_grad)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        # The capture differentiates with respect to aliases of the trainable parameters (same
+        # storage, new leaves), swapped into the modules for its duration: the parameters' own
+        # autograd nodes, which a live graph of the caller's may hold on the default stream,
+        # would make autograd synchronise with that stream inside the capture (invalidating it).
+        alias = {id(p): nn.Parameter(p.detach(), requires_grad=True) for ps in trainable for p in ps}
+        swapped = [(mod, name, p) for mod, name, p, _ptr, rg in s.checks if rg and id(p) in alias]
+        leaves = [[alias[id(p)] for p in ps] for ps in trainable]
+        gc.collect()  # garbage from earlier captures is freed now, not by a collection mid-capture
+        gc_was = gc.isenabled()
+        gc.disable()
+        CAPTURE.on = True
+        try:
+            for mod, name, p in swapped:
+                mod._parameters[name] = alias[id(p)]
+            self._warm_up(x_in, s, leaves, side)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if s.recorder is not None:
+                s.recorder.kv.clear()
+            s.pool = torch.cuda.graph_pool_handle()
+            outs, xs = [], []
+            for i in range(len(self.layers)):
+                lg = _Layer()
+                lg.g, lg.flat, lg.fwd, lg.bwd, lg.last = s.g, s.flat, torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), None
+                lg.copy_in = i == 0
+                xi = x_in if i == 0 else outs[-1].detach().requires_grad_(outs[-1].requires_grad)
+                with torch.cuda.graph(lg.fwd, pool=s.pool, stream=side):
+                    out = self._run(i, xi, s)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"decoder layer {i} returned {type(out).__name__}, not a tensor")
+                lg.x, lg.x_grad, lg.params = xi, xi.requires_grad, trainable[i]
+                lg.kv = None
+                if s.recorder is not None:  # the keys and values this layer's graph writes
+                    (idx, (k, v)), = s.recorder.kv.items()
+                    lg.kv = (k, v, idx)
+                    s.recorder.kv.clear()
+                outs.append(out)
+                xs.append(xi)
+                s.layers.append(lg)
+            for i in reversed(range(len(self.layers))):
+                lg, out = s.layers[i], outs[i]
+                outs[i] = None
+                inputs = ([xs[i]] if lg.x_grad else []) + leaves[i]
+                lg.grad_mask, lg.nflat = [False] * len(lg.params), 0
+                if out.requires_grad and inputs:
+                    with torch.cuda.graph(lg.bwd, pool=s.pool, stream=side):
+                        self._capture_backward(lg, out, inputs, s)
+                lg.out = out.detach()
+                del out
+            return s
+        finally:
+            for mod, name, p in swapped:
+                mod._parameters[name] = p
+            CAPTURE.on = False
+            if gc_was:
+                gc.enable()
+
+    def _warm_up(self, x_in, s, leaves, side):
+        """The capture's per-layer calls, outside it: Triton compiles, cuBLAS and SDPA choose."""
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                h = x_in
+                for i in range(len(self.layers)):
+                    out = self._run(i, h, s)
+                    inputs = ([h] if h.requires_grad else []) + leaves[i]
+                    if out.requires_grad and inputs:
+                        torch.autograd.grad(out, inputs, grad_outputs=s.g, allow_unused=True)
+                    h = out.detach().requires_grad_(out.requires_grad)
+
+    @staticmethod
+    def _capture_backward(lg, out, inputs, s):
+        grads = torch.autograd.grad(out, inputs, grad_outputs=s.g, allow_unused=True)
+        if lg.x_grad:
+            gx, grads = grads[0], grads[1:]
+            s.g.copy_(gx if gx is not None else torch.zeros_like(s.g))
+        lg.grad_mask = [g is not None for g in grads]
+        used = [g.reshape(-1) for g in grads if g is not None]
+        if used:
+            lg.nflat = sum(u.numel() for u in used)
+            torch.cat(used, out=s.flat[:lg.nflat])
+
+
+def layer_forward(graphs, i, orig):
+    """Decoder layer ``i``'s forward: its graph's replay, or ``orig`` (the layer's forward as
+    patched, uncaptured) when the call does not fit the capture."""
+    def forward(self, hidden_states, *args, **kwargs):
+        out = graphs.call(i, self, hidden_states, args, kwargs)
+        return out if out is not None else orig(self, hidden_states, *args, **kwargs)
+
+    return forward

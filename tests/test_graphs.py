@@ -1,0 +1,329 @@
+"""CUDA graphs around the decoder layers (``forge.patch(model, graphs=True)``,
+forge/patching/graphs.py).
+
+On the CPU: the arguments, the refusals, and that every call there runs uncaptured and gives
+exactly what forge without graphs gives. Under -m gpu: replayed training steps against the same
+model patched without graphs (the same kernels, launched one by one), over optimizer steps,
+gradient accumulation, two forwards before their backwards, a replaced parameter, a new shape,
+hooks, retain_graph, deep copies and unpatch.
+"""
+from __future__ import annotations
+
+from forge import _runtime
+
+_runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import forge  # noqa: E402
+from forge import ops  # noqa: E402
+from forge.__main__ import build_model  # noqa: E402
+from forge.patching import graphs as graphs_mod  # noqa: E402
+
+
+def _ids(model, b, s, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (b, s), generator=g).to(device)
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return ids, labels
+
+
+def _step(model, ids, labels, zero=True):
+    if zero:
+        model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=labels).loss
+    loss.backward()
+    return loss.detach().clone(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                   if p.grad is not None}
+
+
+def _same(a, b, what):
+    (la, ga), (lb, gb) = a, b
+    assert torch.equal(la, lb), f"{what}: loss {la.item()} != {lb.item()}"
+    assert ga.keys() == gb.keys() and ga, f"{what}: different parameters got gradients"
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), f"{what}: grad {n} differs by {(ga[n] - gb[n]).abs().max().item()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: arguments, refusals, uncaptured calls
+
+
+def test_bad_graphs_arguments():
+    model = build_model("qwen2")
+    with pytest.raises(TypeError, match="graphs must be True or False"):
+        forge.patch(model, graphs="yes")
+    with pytest.raises(TypeError, match="recompute_mlp must be True or False"):
+        forge.patch(model, recompute_mlp=1)
+    assert not hasattr(model, "_forge_state")
+
+
+def test_graphs_refuse_pallas_layer_kernels():
+    ok, why = ops.availability("pallas")
+    if not ok:
+        pytest.skip(why)
+    model = build_model("qwen2")
+    with pytest.raises(ValueError, match="needs the triton backend.*'rmsnorm' runs on 'pallas'"):
+        forge.patch(model, backend={"rmsnorm": "pallas"}, graphs=True)
+    assert not [m for m in model.modules() if "forward" in m.__dict__], "a refused patch left forwards behind"
+
+
+def test_cpu_calls_run_uncaptured_and_unpatch_restores():
+    model = build_model("qwen2", attn_implementation="sdpa")
+    ids, labels = _ids(model, 2, 8, "cpu")
+    with torch.no_grad():
+        before = model(ids).logits
+    forge.patch(model, kernels=["fused_linear_ce"])  # interpreted kernels: keep them few
+    plain = _step(model, ids, labels)
+    forge.patch(model, kernels=["fused_linear_ce"], graphs=True)
+    assert model._forge_patched_counts == {"fused_linear_ce": 1, "graphs": 2}
+    g = model._forge_graphs
+    _same(_step(model, ids, labels), plain, "uncaptured on the CPU")
+    assert g.stats.replayed == 0 and g.stats.captures == 0
+    assert g.stats.uncaptured == 1 and g.stats.why == {"hidden states not a CUDA tensor": 1}
+    with torch.no_grad():
+        model(ids)
+    assert g.stats.why == {"hidden states not a CUDA tensor": 2}
+    forge.unpatch(model)
+    assert not [m for m in model.modules() if "forward" in m.__dict__] and not hasattr(model, "_forge_graphs")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_fused_loss_asks_for_no_kv_cache_unless_given():
+    model = build_model("qwen2", attn_implementation="sdpa")
+    ids, labels = _ids(model, 1, 6, "cpu")
+    forge.patch(model, kernels=["fused_linear_ce"])
+    out = model(ids, labels=labels)
+    assert out.logits is None and out.past_key_values is None
+    out = model(ids, labels=labels, use_cache=True)
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 6
+
+
+def test_deepcopy_of_a_graphs_patched_model_runs():
+    model = build_model("qwen2", attn_implementation="sdpa")
+    forge.patch(model, kernels=["fused_linear_ce"], graphs=True)
+    dup = copy.deepcopy(model)
+    ids, labels = _ids(model, 1, 6, "cpu")
+    _same(_step(dup, ids, labels), _step(model, ids, labels), "deep copy")
+    assert dup._forge_graphs is model._forge_graphs  # shared; the copy's layers are not its layers
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: replays against the uncaptured kernels
+
+ARCHS = ["qwen2", "qwen3", "gemma", "gemma2"]
+
+
+def _gpu_model(model_type, layers=3, dtype=torch.bfloat16):
+    return build_model(model_type, "gpu_demo", dtype=dtype, device="cuda", attn_implementation="sdpa",
+                       num_hidden_layers=layers)
+
+
+def _twins(model_type, recompute_mlp=False, **kw):
+    """Two identical models: one patched without graphs, one with."""
+    a = _gpu_model(model_type, **kw)
+    b = copy.deepcopy(a)
+    forge.patch(a, backend="triton", min_elements=0, recompute_mlp=recompute_mlp)
+    forge.patch(b, backend="triton", min_elements=0, recompute_mlp=recompute_mlp, graphs=True)
+    return a, b
+
+
+@pytest.fixture
+def math_sdpa():
+    """SDPA's math backend: flash attention's backward accumulates dq with atomics, so two runs
+    of the same step may differ in the last bits; with the math backend every kernel of the
+    step is deterministic and a replay must give exactly the uncaptured step's bits."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def _sgd(model, lr=1e-2):
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type,recompute_mlp", [(a, False) for a in ARCHS] + [("qwen2", True)])
+def test_replayed_steps_match_uncaptured(model_type, recompute_mlp, math_sdpa):
+    plain, graphed = _twins(model_type, recompute_mlp)
+    ids, labels = _ids(plain, 2, 256, "cuda")
+    for step in range(4):  # optimizer steps in between: the graphs read the updated weights
+        _same(_step(graphed, ids, labels), _step(plain, ids, labels), f"{model_type} step {step}")
+        _sgd(plain)
+        _sgd(graphed)
+    st = graphed._forge_graphs.stats
+    # a shape is captured the second time it comes: step 0 uncaptured, 1 captures, 2-3 replay
+    assert st.captures == 1 and st.replayed == 3 and st.why == {"first call of this shape": 1}, st
+
+
+@pytest.mark.gpu
+def test_gradient_accumulation_and_two_forwards_before_backward(math_sdpa):
+    plain, graphed = _twins("qwen2")
+    a, la = _ids(plain, 2, 128, "cuda", seed=1)
+    b, lb = _ids(plain, 2, 128, "cuda", seed=2)
+    g = graphed._forge_graphs
+    _step(graphed, a, la)  # the shape's first call: uncaptured
+    # accumulation: two micro-batches into the same .grad
+    for m in (plain, graphed):
+        _step(m, a, la)
+    _same(_step(graphed, b, lb, zero=False), _step(plain, b, lb, zero=False), "accumulated")
+    assert g.stats.replayed == 2
+    # two forwards, then both backwards: the second forward must not overwrite the first's
+    # activations (it runs uncaptured)
+    res = []
+    for m in (plain, graphed):
+        m.zero_grad(set_to_none=True)
+        l1 = m(a, labels=la).loss
+        l2 = m(b, labels=lb).loss
+        (l1 + 2 * l2).backward()
+        res.append(((l1 + 2 * l2).detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    _same(res[1], res[0], "two forwards, one backward")
+    assert g.stats.why.get("an earlier replay's backward has not run") == 1
+    # a forward whose graph was dropped without a backward does not block the next replay
+    graphed(a, labels=la)
+    n = g.stats.replayed
+    _step(graphed, a, la)
+    assert g.stats.replayed == n + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type,recompute_mlp", [("qwen2", True), ("gemma2", False)])
+def test_flash_attention_replay_meets_the_oracle(model_type, recompute_mlp):
+    """The default SDPA backend (flash attention, not bit-reproducible in backward): the replayed
+    step against an fp32 copy of the unpatched model, with the unpatched bf16 model as the eager
+    baseline (tests/oracle.py's rule, as tests/test_models.py)."""
+    from forge.spec import tolerance
+
+    model = _gpu_model(model_type)
+    ids, labels = _ids(model, 2, 256, "cuda")
+    ref = _step(copy.deepcopy(model).float(), ids, labels)
+    eager = _step(model, ids, labels)
+    forge.patch(model, backend="triton", graphs=True, recompute_mlp=recompute_mlp)
+    for _ in range(3):  # uncaptured, captured, replayed
+        got = _step(model, ids, labels)
+    assert model._forge_graphs.stats.replayed == 2
+    c = model.config
+    k = max(c.vocab_size, c.intermediate_size, c.hidden_size, ids.numel())
+    tolerance.assert_close("loss", got[0], ref[0], eager[0], torch.bfloat16, k)
+    for n in ref[1]:
+        tolerance.assert_close(f"grad {n}", got[1][n], ref[1][n], eager[1][n], torch.bfloat16, k)
+
+
+@pytest.mark.gpu
+def test_retain_graph_second_backward_raises():
+    _plain, graphed = _twins("qwen2")
+    ids, labels = _ids(graphed, 2, 64, "cuda")
+    _step(graphed, ids, labels)  # first call of the shape: uncaptured
+    loss = graphed(ids, labels=labels).loss
+    assert graphed._forge_graphs.stats.replayed == 1
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
+@pytest.mark.gpu
+def test_replaced_parameter_new_shape_hooks_and_no_grad(math_sdpa):
+    plain, graphed = _twins("qwen2")
+    ids, labels = _ids(plain, 2, 128, "cuda")
+    g = graphed._forge_graphs
+    for _ in range(2):
+        _same(_step(graphed, ids, labels), _step(plain, ids, labels), "first")
+    assert g.stats.captures == 1
+    # a parameter replaced by a new tensor: the set is captured again
+    for m in (plain, graphed):
+        lin = m.model.layers[1].mlp.down_proj
+        lin.weight = nn.Parameter(lin.weight.detach() * 0.5)
+    _same(_step(graphed, ids, labels), _step(plain, ids, labels), "replaced weight")
+    assert g.stats.captures == 2
+    # another shape: another set, from its second call
+    ids2, labels2 = _ids(plain, 1, 64, "cuda")
+    for _ in range(2):
+        _same(_step(graphed, ids2, labels2), _step(plain, ids2, labels2), "second shape")
+    assert len(g.sets) == 2
+    # a forward hook on a module inside a layer: uncaptured (a replay would not call it)
+    seen = []
+    h = graphed.model.layers[0].self_attn.register_forward_hook(lambda *a: seen.append(1))
+    _same(_step(graphed, ids, labels), _step(plain, ids, labels), "hooked")
+    assert seen and g.stats.why.get("module hooks") == 1
+    h.remove()
+    # without grad (a KV cache by default): a forward-only set, replayed from the second call
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(graphed(ids).logits, plain(ids).logits)
+    assert len(g.sets) == 3
+
+
+@pytest.mark.gpu
+def test_unpatch_releases_the_graphs():
+    _plain, graphed = _twins("qwen2")
+    ids, labels = _ids(graphed, 2, 256, "cuda")
+    for _ in range(2):
+        _step(graphed, ids, labels)
+    assert graphs_mod.graph_pool_bytes(graphed) > 0
+    graphed.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()
+    forge.unpatch(graphed)
+    torch.cuda.empty_cache()  # no gc.collect(): nothing of the graphs may wait for one
+    assert torch.cuda.memory_reserved() < held, "unpatch left the graph pool reserved"
+    assert not [m for m in graphed.modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.gpu
+def test_peft_lora_replay_matches_uncaptured(math_sdpa):
+    """LoRA adapters (forge's lora_qkv / lora_mlp inside the captured layers): only the adapters
+    train, the frozen base weights are read by the graphs."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    plain = get_peft_model(_gpu_model("qwen2"), cfg)
+    with torch.no_grad():  # B starts at zero in peft: give the adapters a gradient path that shows
+        for n, p in plain.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02)
+    graphed = copy.deepcopy(plain)
+    forge.patch(plain, backend="triton", min_elements=0)
+    forge.patch(graphed, backend="triton", min_elements=0, graphs=True)
+    assert graphed._forge_patched_counts.get("lora_qkv") == 3 and graphed._forge_patched_counts.get("graphs") == 3
+    ids, labels = _ids(plain, 2, 128, "cuda")
+    for step in range(3):
+        _same(_step(graphed, ids, labels), _step(plain, ids, labels), f"lora step {step}")
+        _sgd(plain)
+        _sgd(graphed)
+    assert graphed._forge_graphs.stats.replayed == 2
+
+
+@pytest.mark.gpu
+def test_inference_prefill_replays_into_the_kv_cache(math_sdpa):
+    plain = _gpu_model("gemma2").eval()  # gemma2: sliding-window cache layers too
+    graphed = copy.deepcopy(plain)
+    forge.patch(plain, mode="infer", backend="triton", min_elements=0)
+    forge.patch(graphed, mode="infer", backend="triton", min_elements=0, graphs=True)
+    g = graphed._forge_graphs
+    with torch.no_grad():
+        for seed in range(3):  # new inputs each time; captured at the second
+            ids, _ = _ids(plain, 2, 128, "cuda", seed=seed)
+            a, b = graphed(ids), plain(ids)  # HF's default use_cache=True: an empty DynamicCache
+            assert torch.equal(a.logits, b.logits), seed
+            for la, lb in zip(a.past_key_values.layers, b.past_key_values.layers):
+                assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values), seed
+    assert g.stats.captures == 1 and g.stats.replayed == 2
+    # generate(): the prefill replays (its shape's second call), each new token runs uncaptured
+    ids, _ = _ids(plain, 1, 16, "cuda")
+    want = plain.generate(ids, max_new_tokens=4, do_sample=False)
+    for _ in range(2):
+        assert torch.equal(graphed.generate(ids, max_new_tokens=4, do_sample=False), want)
+    assert g.stats.captures == 2 and g.stats.replayed == 3
+    assert g.stats.why.get("KV cache (not an empty DynamicCache in a forward without grad)", 0) >= 6
