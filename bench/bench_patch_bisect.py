@@ -2,12 +2,14 @@
 torch.compile, forge under torch.compile and Liger-Kernel, side by side in one process.
 
     python bench/bench_patch_bisect.py --model qwen2.5-0.5b --mode train --batch 4 --seq-len 1024 \
-        [--backend triton|pallas] [--guard-stats] [--min-elements N] [--lora] [--compile] [--liger]
+        [--backend triton|pallas] [--guard-stats] [--min-elements N] [--lora] [--compile] [--liger] [--graphs]
     python bench/bench_patch_bisect.py --quick      # tiny CPU smoke test (interpreters)
 
 "train" is a forward with labels plus backward (all parameters trainable, or only the LoRA
 adapters with --lora); "infer" a forward under no_grad. Median step time over --steps steps after
-warm-up; peak memory from torch (and JAX's own peak for the pallas backend: torch cannot see it).
+warm-up; peak memory from torch after warm-up (and JAX's own peak for the pallas backend: torch
+cannot see it; with --graphs, the graph pools' bytes that no live tensor holds are added, since
+torch's allocated-bytes counter does not see the activations the replays write there).
 Writes bench/results/bench_patch_bisect-<gpu>-<stamp>.{json,csv,png}.
 """
 from __future__ import annotations
@@ -27,9 +29,11 @@ import torch  # noqa: E402
 
 import _common as bc  # noqa: E402
 import forge  # noqa: E402
+from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, build  # noqa: E402
 
-COLUMNS = ["variant", "step_ms", "speedup", "peak_MiB", "mem_frac", "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
+COLUMNS = ["variant", "step_ms", "speedup", "peak_MiB", "mem_frac", "graph_held_MiB", "jax_peak_MiB", "compile_s",
+           "graph_breaks", "note"]
 
 
 def _lora(model):
@@ -69,10 +73,12 @@ def _step_fn(model, mode, ids):
 
 
 def _time(step, steps, warmup):
-    """Step times (ms) of ``steps`` steps after ``warmup`` untimed ones."""
+    """Step times (ms) of ``steps`` steps after ``warmup`` untimed ones; the peak-memory
+    counter restarts after the warm-up (a graph capture's transient is not a step's)."""
     for _ in range(warmup):
         step()
     bc.sync()
+    _reset_peak()
     ts = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -88,9 +94,12 @@ def _reset_peak():
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak(row):
+def _peak(row, model=None):
     if torch.cuda.is_available():
-        row["peak_MiB"] = max(row.get("peak_MiB") or 0, torch.cuda.max_memory_allocated() / 2**20)
+        held = graph_pool_bytes(model) if model is not None else 0
+        row["peak_MiB"] = max(row.get("peak_MiB") or 0, (torch.cuda.max_memory_allocated() + held) / 2**20)
+        if held:  # part of peak_MiB: graph-pool bytes no live tensor holds
+            row["graph_held_MiB"] = held / 2**20
     row["jax_peak_MiB"] = _jax_peak_mib()
 
 
@@ -112,7 +121,6 @@ def _run(name, model, a, ids, compile_=False):
     return row
 
 
-ALT = " (alt guard)"  # the --alt-min-elements variant's label ends so
 
 
 def _rounds(variants, model, a, ids):
@@ -120,19 +128,23 @@ def _rounds(variants, model, a, ids):
     and unpatching each time: this host's step time drifts by tens of percent over minutes and
     between processes, and a rotation spreads the drift over every variant alike. Step time is
     the median over all timed steps; the note gives the spread of the per-round medians."""
-    rows = {label: {"variant": label} for label, _ in variants}
-    times = {label: [] for label, _ in variants}
-    per_round = {label: [] for label, _ in variants}
+    rows = {label: {"variant": label} for label, _, _ in variants}
+    times = {label: [] for label, _, _ in variants}
+    per_round = {label: [] for label, _, _ in variants}
     for r in bc.progress(range(a.rounds), "rounds"):
-        for label, ks in variants:
+        for label, ks, kw in variants:
             row = rows[label]
             if ks is not False:
-                min_el = a.alt_min_elements if label.endswith(ALT) else a.min_elements
-                forge.patch(model, mode=a.mode, backend=a.backend, min_elements=min_el, kernels=ks)
+                kw = {"min_elements": a.min_elements, **kw}
+                forge.patch(model, mode=a.mode, backend=a.backend, kernels=ks, **kw)
                 row["note"] = f"patched {dict(model._forge_patched_counts)}"
-            _reset_peak()
-            ts = _time(_step_fn(model, a.mode, ids), a.steps, a.warmup if r == 0 else 1)
-            _peak(row)
+            warm = a.warmup if r == 0 else 1
+            if kw.get("graphs"):  # captured at a shape's second call: keep the capture out of the timing
+                warm = max(warm, 3)
+            ts = _time(_step_fn(model, a.mode, ids), a.steps, warm)
+            _peak(row, model)
+            if kw.get("graphs") and r == 0:
+                row["graphs"] = model._forge_graphs.stats.as_dict()
             times[label] += ts
             per_round[label].append(statistics.median(ts))
             if ks is None and a.guard_stats and r == 0:
@@ -149,6 +161,8 @@ def _rounds(variants, model, a, ids):
         row["note"] = f"{row.get('note', '')} {spread}".strip()
         if row.get("guard"):
             row["note"] += f" guard {row.pop('guard')}"
+        if row.get("graphs"):
+            row["note"] += f" graphs (round 1) {row.pop('graphs')}"
     return list(rows.values())
 
 
@@ -188,6 +202,10 @@ def main(argv=None):
     p.add_argument("--lora", action="store_true", help="peft LoRA r=16 on q,k,v,o,gate,up,down")
     p.add_argument("--compile", action="store_true", help="also torch.compile(model) and forge under compile")
     p.add_argument("--liger", action="store_true", help="also Liger-Kernel (runs last: it patches globally)")
+    p.add_argument("--graphs", action="store_true",
+                   help="also every kernel with the decoder layers in CUDA graphs (forge.patch(graphs=True))")
+    p.add_argument("--recompute-mlp", action="store_true",
+                   help="also every kernel with forge.patch(recompute_mlp=True) (with --graphs: graphs too)"),
     p.add_argument("--no-single", action="store_true", help="skip the one-kernel-at-a-time variants")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rotations over the patchable variants")
@@ -213,11 +231,22 @@ def main(argv=None):
     if a.lora and a.mode == "train":
         keys += ["lora_qkv", "lora_mlp"]
     base = "peft (eager)" if a.lora else "eager"
-    # False: unpatched; a list: those kernels alone; None: every kernel
-    variants = [(base, False)] + ([] if a.no_single else [(f"forge {a.backend}: {k}", [k]) for k in keys])
-    variants.append((f"forge {a.backend}: all", None))
+    # (label, kernels, patch keywords); kernels False: unpatched, a list: those alone, None: all
+    def every(kw):
+        extra = "".join(f" + {k}" for k in kw if k != "min_elements")
+        guard = f", min_elements={json.dumps(kw['min_elements'])}" if "min_elements" in kw else ""
+        return (f"forge {a.backend}: all{extra}{guard}", None, kw)
+
+    variants = [(base, False, {})] + ([] if a.no_single else [(f"forge {a.backend}: {k}", [k], {}) for k in keys])
+    variants.append(every({}))
     if a.alt_min_elements is not None:
-        variants.append((f"forge {a.backend}: all, min_elements={json.dumps(a.alt_min_elements)}{ALT}", None))
+        variants.append(every({"min_elements": a.alt_min_elements}))
+    if a.mode == "train" and a.recompute_mlp:  # (recompute_mlp fuses the MLP at every size)
+        variants.append(every({"recompute_mlp": True}))
+    if a.graphs:  # captured calls fuse whatever the guard says
+        variants.append(every({"graphs": True}))
+        if a.recompute_mlp and a.mode == "train":
+            variants.append(every({"graphs": True, "recompute_mlp": True}))
     rows = _rounds(variants, model, a, ids)
     if a.compile and dev.type == "cuda":
         rows.append(_run("torch.compile", model, a, ids, compile_=True))

@@ -35,11 +35,13 @@ def _rows(tmp_path, stem):
 
 @pytest.mark.slow
 def test_bench_patch_bisect_quick(tmp_path):
-    out = _run("bench_patch_bisect.py", ["--quick", "--guard-stats"], tmp_path)
+    out = _run("bench_patch_bisect.py", ["--quick", "--guard-stats", "--graphs"], tmp_path)
     rows = _rows(tmp_path, "bench_patch_bisect")
     assert {"variant", "step_ms", "speedup"} <= rows[0].keys()
     variants = [r["variant"] for r in rows]
     assert variants[0] == "eager" and "forge triton: all" in variants
+    graphed = next(r for r in rows if r["variant"] == "forge triton: all + graphs")
+    assert "'graphs': 2" in graphed["note"] and "hidden states not a CUDA tensor" in graphed["note"]
     assert all(float(r["step_ms"]) > 0 for r in rows)
     assert "guard stats" in out
 
