@@ -49,12 +49,13 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     min_elements: calls of rmsnorm/swiglu/geglu/rope with fewer activation elements run the
         original forward; None = MIN_FUSED_ELEMENTS[backend], 0 = always fused, or a dict per key.
     kernels: restrict to these keys (default: all).
-    graphs: capture each decoder layer's forward (and, with grad on, its backward) in CUDA graphs,
-        per input shape, and replay them (Triton kernels; see forge.patching.graphs for when a
-        call replays and what the graphs hold). Off by default: the graphs keep each shape's
-        activations in their own memory pool between calls, and a call that does not fit them (a
-        mask, a KV cache as in generate(), hooks, a second forward before the first's backward)
-        runs uncaptured. ``model._forge_graphs.stats`` counts replayed and uncaptured passes.
+    graphs: capture each decoder layer's forward (and, with grad on, its backward) in CUDA graphs
+        at an input shape's second call, and replay them (Triton kernels; see
+        forge.patching.graphs for when a call replays and what the graphs hold). Off by default:
+        the graphs keep each shape's activations in their own memory pool between calls, and a
+        call that does not fit them (a mask, a growing KV cache as in generate()'s decoding,
+        hooks, a second forward before the first's backward) runs uncaptured.
+        ``model._forge_graphs.stats`` counts replayed and uncaptured passes.
     recompute_mlp: in training, the fused gated MLP keeps only its input for backward and makes
         its gate and up products again there: 2 x rows x intermediate activations less per layer
         (1.9 GB at Qwen2.5-0.5B 4 x 1024) for two more matrix products per layer. The MLP is then
@@ -65,7 +66,8 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     ``model._forge_guard_stats`` (fused / fallback calls per key; ``.reset()``). The fused loss
     runs when the model is in training mode (``model.train()``) and called with ``labels``: it
     returns ``loss`` with ``logits=None`` (and asks the decoder for no KV cache unless ``use_cache``
-    is passed); otherwise (eval, no labels, ``generate()``) logits come out as before. Patching again with the same arguments is a no-op.
+    is passed); otherwise (eval, no labels, ``generate()``) logits come out as before. Patching
+    again with the same arguments is a no-op.
     """
     from .patching.core import patch as _patch
 

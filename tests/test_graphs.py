@@ -245,11 +245,15 @@ def test_replaced_parameter_new_shape_hooks_and_no_grad(math_sdpa):
         lin.weight = nn.Parameter(lin.weight.detach() * 0.5)
     _same(_step(graphed, ids, labels), _step(plain, ids, labels), "replaced weight")
     assert g.stats.captures == 2
-    # another shape: another set, from its second call
-    ids2, labels2 = _ids(plain, 1, 64, "cuda")
+    # another shape: another set, from its second call, in the same pool: its activations reuse
+    # the memory of the first set's (the sum would be 1.75x the first's alone)
+    held = graphs_mod.graph_pool_bytes(graphed)
+    ids2, labels2 = _ids(plain, 2, 96, "cuda")
     for _ in range(2):
         _same(_step(graphed, ids2, labels2), _step(plain, ids2, labels2), "second shape")
     assert len(g.sets) == 2
+    assert graphs_mod.graph_pool_bytes(graphed) <= 1.3 * held, (held, graphs_mod.graph_pool_bytes(graphed))
+    _same(_step(graphed, ids, labels), _step(plain, ids, labels), "first shape again")
     # a forward hook on a module inside a layer: uncaptured (a replay would not call it)
     seen = []
     h = graphed.model.layers[0].self_attn.register_forward_hook(lambda *a: seen.append(1))

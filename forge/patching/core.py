@@ -14,9 +14,9 @@ RoPE, re-creating each decorator wrapper (``deprecate_kwarg`` and friends, found
 Fused loss: the CausalLM forward is rebuilt the same way with its innermost function replaced.
 In a model in training mode (``model.training``) called with ``labels`` and
 ``logits_to_keep=0``, it runs the decoder (``use_cache=False`` unless given), shifts the labels
-like HF's ``ForCausalLMLoss`` (pad with ignore_index, drop the first), and returns the fused loss with ``logits=None``
-(``num_items_in_batch``, ``ignore_index``, ``shift_labels`` and gemma2's
-``final_logit_softcapping`` honoured). Every other call (no labels, ``model.eval()``, a
+like HF's ``ForCausalLMLoss`` (pad with ignore_index, drop the first), and returns the fused
+loss with ``logits=None`` (``num_items_in_batch``, ``ignore_index``, ``shift_labels`` and
+gemma2's ``final_logit_softcapping`` honoured). Every other call (no labels, ``model.eval()``, a
 ``logits_to_keep``, ``generate()``) runs the original forward: an evaluation loop gets its logits.
 
 Order: LoRA first (``forge.patching.lora.apply(model, patcher)``), then the generic walker
@@ -135,7 +135,8 @@ def _arch_of(root):
 # public API
 
 
-def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, graphs=False, recompute_mlp=False):
+def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, graphs=False,
+          recompute_mlp=False):
     """Swap forge kernels into ``model`` (see ``forge.patch``); returns ``model``.
 
     Patching again with the same arguments is a no-op; with different ones the model is

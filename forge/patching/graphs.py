@@ -11,8 +11,10 @@ flag, the hidden states' shape, dtype, device and requires_grad, cos/sin's shape
 for every layer, its forward (the layer's own forward with forge's kernels patched inside; the
 size guard always fuses there, since a replay pays no host time per kernel) and, with grad mode
 on, its backward (``torch.autograd.grad`` of the layer's output with respect to its input and
-trainable parameters), all in one private memory pool, captured in the order a step runs them:
-forward 0..N-1, then backward N-1..0. A forward without grad (inference, evaluation) replays its
+trainable parameters), captured in the order a step runs them: forward 0..N-1, then backward
+N-1..0. All sets share one private memory pool: a set's capture reuses the memory other sets'
+graphs hold between their passes, so several shapes cost about the largest one's activations,
+not their sum, and no pass replays while another set's pass still waits for its backward. A forward without grad (inference, evaluation) replays its
 forward graphs alone. The second call of a new kind captures (two warm-up passes, then the
 capture: about a second at Qwen2.5-0.5B's size; a shape seen once, such as a one-off prompt,
 is never captured); at most ``MAX_SETS`` sets are kept. A forward without grad into an empty
@@ -20,7 +22,7 @@ is never captured); at most ``MAX_SETS`` sets are kept. A forward without grad i
 the keys and values, which the replay hands to the cache's ``update``.
 
 Memory: each layer's activations live in the pool at fixed addresses (as many as eager autograd
-keeps at the end of a forward), held between steps until ``forge.unpatch``. torch's
+keeps at the end of a forward), held between calls until ``forge.unpatch``. torch's
 ``memory_allocated`` does not count pool memory that no live tensor holds
 (``graph_pool_bytes`` does; bench_patch_bisect adds it to the peak it reports). Layer i+1 reads
 layer i's output buffer in place; the hidden-state gradient goes through one buffer shared by all
@@ -88,10 +90,9 @@ def graph_pool_bytes(model) -> int:
     g = getattr(model, "_forge_graphs", None)
     if g is None or not g.sets:
         return 0
-    pools = {s.pool for s in g.sets.values()}
     held = 0
     for seg in torch.cuda.memory_snapshot():
-        if tuple(seg.get("segment_pool_id", (0, 0))) in pools:
+        if tuple(seg.get("segment_pool_id", (0, 0))) == g.pool:
             held += sum(b["size"] for b in seg["blocks"] if b["state"] != "active_allocated")
     return held
 
@@ -118,7 +119,6 @@ class _Set:
     def __init__(self, key, grad):
         self.key, self.grad = key, grad
         self.layers: list[_Layer] = []
-        self.pool = None
         self.cos = self.sin = self.g = self.flat = None
         self.recorder = self.cache_name = None  # a prefill into an empty KV cache
         self.checks: list = []  # (module, name, tensor, data_ptr, requires_grad) per param/buffer
@@ -206,6 +206,8 @@ class Graphs:
     def __init__(self, root, layers, forwards):
         self.root, self.layers, self.forwards = root, layers, forwards
         self.sets: dict[tuple, _Set] = {}
+        self.pool = None  # one private memory pool for every set
+        self.streams: dict = {}  # device -> the capture stream
         self.seen: dict[tuple, int] = {}  # keys seen once: captured the second time
         self.failed: dict[tuple, str] = {}  # (grad, cache) -> why its capture failed
         self.stats = Stats()
@@ -315,7 +317,7 @@ class Graphs:
             if s is None:
                 return self.failed[kind]
             self.seen.pop(key, None)
-        if s.grad and s.pending():
+        if any(o.grad and o.pending() for o in self.sets.values()):
             return "an earlier replay's backward has not run"
         s.cos.copy_(cos)
         s.sin.copy_(sin)
@@ -374,7 +376,12 @@ class Graphs:
         pdtype = next((ps[0].dtype for ps in trainable if ps), x0.dtype)
         s.flat = torch.zeros(max(nflat, 1), dtype=pdtype, device=dev)
         x_in = torch.zeros_like(x0).requires_grad_(x0.requires_grad)
-        side = torch.cuda.Stream(device=dev)
+        # one capture stream for every set: the allocator reuses a freed block only on the
+        # stream that freed it, so a set captured on a stream of its own could not reuse the
+        # memory of the sets before it
+        side = self.streams.get(dev)
+        if side is None:
+            side = self.streams[dev] = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         # The capture differentiates with respect to aliases of the trainable parameters (same
         # storage, new leaves), swapped into the modules for its duration: the parameters' own
@@ -394,14 +401,16 @@ class Graphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             if s.recorder is not None:
                 s.recorder.kv.clear()
-            s.pool = torch.cuda.graph_pool_handle()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             outs, xs = [], []
             for i in range(len(self.layers)):
                 lg = _Layer()
-                lg.g, lg.flat, lg.fwd, lg.bwd, lg.last = s.g, s.flat, torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), None
+                lg.g, lg.flat, lg.last = s.g, s.flat, None
+                lg.fwd, lg.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 lg.copy_in = i == 0
                 xi = x_in if i == 0 else outs[-1].detach().requires_grad_(outs[-1].requires_grad)
-                with torch.cuda.graph(lg.fwd, pool=s.pool, stream=side):
+                with torch.cuda.graph(lg.fwd, pool=self.pool, stream=side):
                     out = self._run(i, xi, s)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"decoder layer {i} returned {type(out).__name__}, not a tensor")
@@ -420,7 +429,7 @@ class Graphs:
                 inputs = ([xs[i]] if lg.x_grad else []) + leaves[i]
                 lg.grad_mask, lg.nflat = [False] * len(lg.params), 0
                 if out.requires_grad and inputs:
-                    with torch.cuda.graph(lg.bwd, pool=s.pool, stream=side):
+                    with torch.cuda.graph(lg.bwd, pool=self.pool, stream=side):
                         self._capture_backward(lg, out, inputs, s)
                 lg.out = out.detach()
                 del out
