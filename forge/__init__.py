@@ -52,7 +52,8 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     graphs: capture each decoder layer's forward (and, with grad on, its backward) in CUDA graphs
         at an input shape's second call, and replay them (Triton kernels; see
         forge.patching.graphs for when a call replays and what the graphs hold). Off by default:
-        the graphs keep each shape's activations in their own memory pool between calls, and a
+        the graphs keep the activations in a memory pool between calls (one for all captured
+        shapes, about the largest one's size), and a
         call that does not fit them (a mask, a growing KV cache as in generate()'s decoding,
         hooks, a second forward before the first's backward) runs uncaptured.
         ``model._forge_graphs.stats`` counts replayed and uncaptured passes.
