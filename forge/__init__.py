@@ -53,9 +53,9 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         at an input shape's second call, and replay them (Triton kernels; see
         forge.patching.graphs for when a call replays and what the graphs hold). Off by default:
         the graphs keep the activations in a memory pool between calls (one for all captured
-        shapes, about the largest one's size), and a
-        call that does not fit them (a mask, a growing KV cache as in generate()'s decoding,
-        hooks, a second forward before the first's backward) runs uncaptured.
+        shapes, about the largest one's size), and a call that does not fit them (a mask, a
+        growing KV cache as in generate()'s decoding, hooks, a second forward before the first's
+        backward) runs uncaptured.
         ``model._forge_graphs.stats`` counts replayed and uncaptured passes.
     recompute_mlp: in training, the fused gated MLP keeps only its input for backward and makes
         its gate and up products again there: 2 x rows x intermediate activations less per layer
