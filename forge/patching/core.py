@@ -151,8 +151,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
             return model
         unpatch(model)
     mode, backend_req, min_req, requested, graphs, recompute_mlp, explicit = args
-    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit)
-    p.recompute_mlp = recompute_mlp
+    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp)
     # an explicitly named backend that cannot run here is an error, not a skip
     for b in sorted({backend_req[k] for k in requested} - {"auto"}):
         ops.require(b)

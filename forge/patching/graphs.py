@@ -85,7 +85,7 @@ def decoder_layers(root):
 
 
 def graph_pool_bytes(model) -> int:
-    """Bytes held by ``model``'s graph pools that no live tensor holds (invisible to torch's
+    """Bytes held by ``model``'s graph pool that no live tensor holds (invisible to torch's
     ``memory_allocated``; replays write there). 0 without graphs."""
     g = getattr(model, "_forge_graphs", None)
     if g is None or not g.sets:
@@ -116,8 +116,8 @@ class _Layer:
 class _Set:
     """The graphs of every layer for one input shape, and the buffers they share."""
 
-    def __init__(self, key, grad):
-        self.key, self.grad = key, grad
+    def __init__(self, grad):
+        self.grad = grad
         self.layers: list[_Layer] = []
         self.cos = self.sin = self.g = self.flat = None
         self.recorder = self.cache_name = None  # a prefill into an empty KV cache
@@ -341,7 +341,7 @@ class Graphs:
 
     def _capture(self, key, kind, x0, cos, sin, cache_name):
         try:
-            s = self._capture_set(key, kind, x0, cos, sin, cache_name)
+            s = self._capture_set(kind, x0, cos, sin, cache_name)
         except Exception as e:  # noqa: BLE001 - never break the call: this kind runs uncaptured from now on
             self.failed[kind] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
             import warnings
@@ -354,8 +354,8 @@ class Graphs:
         self.stats.captures += 1
         return s
 
-    def _capture_set(self, key, kind, x0, cos, sin, cache_name):
-        s = _Set(key, kind[0])
+    def _capture_set(self, kind, x0, cos, sin, cache_name):
+        s = _Set(kind[0])
         if kind[1]:
             s.recorder, s.cache_name = _KVRecorder(), cache_name
         dev = x0.device

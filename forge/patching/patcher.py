@@ -27,14 +27,14 @@ class Patcher:
     like ``module.forward(*args, **kwargs)``) and remembers the original for ``unpatch``.
     """
 
-    def __init__(self, root, arch, mode, backend_req, min_req, requested, explicit):
+    def __init__(self, root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp=False):
         self.model, self.arch, self.mode = root, arch, mode
         self.stats = GuardStats()
         self.counts: dict[str, int] = {}
         self.skipped: dict[str, str] = {}
         self._backend_req, self._min_req = backend_req, min_req
         self._requested, self.explicit = requested, explicit
-        self.recompute_mlp = False  # core.patch sets it (forge.patch(recompute_mlp=))
+        self.recompute_mlp = recompute_mlp  # the gated MLP keeps only its input (forge.patch)
         self._loaded: dict[str, tuple] = {}
         self._records: list[list] = []       # [module, had_instance_forward, old_forward, key]
         self._by_id: dict[int, list] = {}
