@@ -1,7 +1,8 @@
-"""What the DLPack bridge costs: host time per bridged Pallas call against a Triton launch, per
-kernel, with its parts (torch->jax import, jit dispatch, jax->torch export); and the Pallas
-kernels' device time against Triton's, forward and backward, at the GPU shapes of
-forge/spec/shapes.py (torch.profiler with CUDA activity: it sees JAX's kernels on JAX's stream).
+"""What a Pallas call costs: host time per call, natively launched (bridge/native.py) and through
+JAX and DLPack, against forge's Triton call, per kernel, with the DLPack path's parts (torch->jax
+import, jit dispatch, jax->torch export); and the Pallas kernels' device time against Triton's,
+forward and backward, at the GPU shapes of forge/spec/shapes.py (torch.profiler with CUDA
+activity: it sees JAX's kernels on JAX's stream too).
 
     python bench/bench_bridge_overhead.py [--kernels rmsnorm,swiglu,geglu,rope] [--quick]
 
@@ -25,8 +26,8 @@ from forge import ops  # noqa: E402
 from forge.spec import shapes  # noqa: E402
 
 KERNELS = ("rmsnorm", "swiglu", "geglu", "rope")
-COLUMNS = ["kernel", "measure", "shape", "dtype", "triton_us", "pallas_us", "ratio", "pallas_GBs",
-           "pallas_frac_ceiling", "note"]
+COLUMNS = ["kernel", "measure", "shape", "dtype", "triton_us", "pallas_us", "ratio", "pallas_dlpack_us",
+           "pallas_GBs", "pallas_frac_ceiling", "note"]
 
 
 def _inputs(key, shape, dtype, dev):
@@ -83,12 +84,20 @@ def host_rows(key, dev, iters):
     args, kwargs, diff, _, _ = _inputs(key, tiny, torch.bfloat16, dev)
     tri, pal = ops.get(key, "triton"), ops.get(key, "pallas")
     rows = []
+    from bridge import native
+
     for measure, make in (("host fwd (no grad)", lambda f: _fwd(f, args, kwargs)),
                           ("host fwd+bwd", lambda f: _fwd_bwd(f, args, kwargs, diff))):
         t = bc.wall_us(make(tri), iters=iters)
-        p = bc.wall_us(make(pal), iters=iters)
+        p = bc.wall_us(make(pal), iters=iters)  # the default: native where it serves
+        native.set_launcher("off")
+        try:
+            d = bc.wall_us(make(pal), iters=iters)
+        finally:
+            native.set_launcher(None)
         rows.append({"kernel": key, "measure": measure, "shape": str(tiny), "dtype": "bfloat16",
-                     "triton_us": t, "pallas_us": p, "ratio": p / t})
+                     "triton_us": t, "pallas_us": p, "ratio": p / t, "pallas_dlpack_us": d,
+                     "note": "native" if native.status()["available"] else "native unavailable: " + native.status()["reason"]})
     # the parts of one bridged forward
     kdef = getattr(kernels, key.upper())
     x = args[0].contiguous()
@@ -145,6 +154,7 @@ def main(argv=None):
     bc.print_table(rows, COLUMNS)
     paths = bc.write_results("bridge_overhead", rows, {"note": (
         "host_us: wall time per call on tiny inputs, loop of calls then one sync (host-bound); "
+        "pallas_us: the default path (native launch where it serves), pallas_dlpack_us: JAX + DLPack; "
         "device us: sum of all CUDA kernels per call from torch.profiler (JAX's stream included); "
         "ratio = pallas / triton")})
     print("wrote", *paths)

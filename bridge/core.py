@@ -1,5 +1,5 @@
-"""The torch <-> JAX bridge: ONE autograd.Function for every Pallas kernel, DLPack transport,
-and the compile cache.
+"""The torch <-> JAX bridge: ONE autograd.Function for every Pallas kernel, its two transports
+(native launch on torch's stream, ``bridge/native.py``; JAX and DLPack), and the compile cache.
 
 Registering a kernel (the whole API; other modules of ``bridge`` do exactly this)::
 
@@ -11,15 +11,16 @@ Registering a kernel (the whole API; other modules of ``bridge`` do exactly this
         fwd=_k.rmsnorm_fwd,     # (*inputs, **static) -> (outputs tuple, residuals tuple)
         bwd=_k.rmsnorm_bwd,     # (inputs, residuals, grads, **static) -> one grad (or None) per input
         diff=(0, 1),            # positions of the differentiable tensor inputs
-        cache_inputs=(1,),      # weights: their jax views are cached while their storage holds
     )
 
     def rmsnorm(x, weight, eps=1e-6, *, casting="llama", offset=0.0):
         ... validate with the spec, reshape ...
         return core.apply(RMSNORM, x2, weight, eps=float(eps), casting=casting, offset=float(offset))
 
-``fwd`` and ``bwd`` are plain JAX functions (they call the ``pallas_call`` s); the bridge
-``jax.jit`` s them with the static keyword arguments bound, so jit's own cache is keyed by
+``fwd`` and ``bwd`` are plain JAX functions (they call the ``pallas_call`` s). Where the native
+path serves them (a CUDA device, bridge/native.py), each pass runs as a plan of Triton-compiled
+``pallas_call`` s and torch ops on torch's current stream. Otherwise (CPU interpret mode, a pass
+the native path declines) the bridge ``jax.jit`` s them with the static keyword arguments bound, so jit's own cache is keyed by
 (kernel, static args, shapes, dtypes) and a repeated call costs only dispatch. ``inputs`` in
 ``bwd`` are the forward's inputs as JAX arrays (``None`` for positions not in ``save``);
 ``residuals`` are what ``fwd`` returned as its second element (a tuple of JAX arrays; kept as
@@ -35,23 +36,22 @@ grad), made contiguous if they are not (DLPack import needs compact strides) and
 ``jax.dlpack.from_dlpack`` semantics: zero copy, and JAX's stream waits for what torch queued on
 its current stream. Outputs come back with ``torch.from_dlpack``, which makes torch's current
 stream wait for JAX's. Memory and stream safety across the two allocators rest on two rules every kernel keeps:
-(1) each launch imports at least one fresh (non-cached) torch tensor, so JAX's stream is
+(1) each launch imports its torch tensors afresh (nothing is cached), so JAX's stream is
 ordered after everything torch queued before the call, including reads of JAX-owned outputs
 that torch has since freed (JAX may reuse that memory at once); (2) every output and residual
 goes through ``torch.from_dlpack`` before the call returns, so torch's stream is ordered after
 the JAX computation, which may still be reading torch memory that the caller frees next.
-Do not mark every input of a kernel ``cache_inputs``. Decisions on dtypes: int64 inputs are narrowed to int32 in torch when JAX
+Decisions on dtypes (both paths): int64 inputs are narrowed to int32 in torch when JAX
 runs without x64 (JAX would otherwise copy them silently; indices and labels fit in int32);
 float64 inputs without x64 raise TypeError (JAX would silently compute in float32).
 """
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
-from . import runtime
+from . import native, runtime
 
 _REGISTRY: dict[str, "KernelDef"] = {}
 
@@ -59,21 +59,20 @@ _REGISTRY: dict[str, "KernelDef"] = {}
 class KernelDef:
     """A Pallas kernel as the bridge sees it. See the module docstring."""
 
-    __slots__ = ("name", "fwd", "bwd", "diff", "cache_inputs", "save", "nondiff_outputs",
-                 "needs_mask", "_fwd_jit", "_bwd_jit")
+    __slots__ = ("name", "fwd", "bwd", "diff", "save", "nondiff_outputs",
+                 "needs_mask", "_fwd_jit", "_bwd_jit", "_py")
 
-    def __init__(self, name, fwd, bwd, *, diff, cache_inputs=(), save=None, nondiff_outputs=(),
-                 needs_mask=False):
+    def __init__(self, name, fwd, bwd, *, diff, save=None, nondiff_outputs=(), needs_mask=False):
         self.name = name
         self.fwd = fwd
         self.bwd = bwd
         self.diff = tuple(diff)
-        self.cache_inputs = frozenset(cache_inputs)
         self.save = None if save is None else frozenset(save)
         self.nondiff_outputs = tuple(nondiff_outputs)
         self.needs_mask = needs_mask
         self._fwd_jit: dict = {}  # static key -> jitted fwd
         self._bwd_jit: dict = {}  # (static key, needs) -> jitted bwd
+        self._py: dict = {}  # (pass, static key, needs) -> the plain function (native plans)
         _REGISTRY[name] = self
 
     def __repr__(self):
@@ -84,6 +83,17 @@ class KernelDef:
         if fn is None:
             jax = runtime.jax_module()
             fn = self._fwd_jit[skey] = jax.jit(functools.partial(self.fwd, **dict(skey)))
+        return fn
+
+    def py_fn(self, which, skey, needs=None):
+        """The pass with its static arguments bound, un-jitted (what native plans trace)."""
+        key = (which, skey, needs)
+        fn = self._py.get(key)
+        if fn is None:
+            kw = dict(skey)
+            if which == "bwd" and self.needs_mask:
+                kw["needs"] = needs
+            fn = self._py[key] = functools.partial(self.fwd if which == "fwd" else self.bwd, **kw)
         return fn
 
     def bwd_fn(self, skey, needs):
@@ -124,6 +134,9 @@ def _device_info(dl_type: int, dev_id: int):
 
 
 def _import_public(t):
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        with torch.cuda.device(t.device):  # torch exports only from the current device
+            return runtime.jax_module().dlpack.from_dlpack(t)
     return runtime.jax_module().dlpack.from_dlpack(t)
 
 
@@ -134,7 +147,11 @@ def _import_fast(t):
     if dl_type != 1 and dl_type != 2:  # pinned host, ROCm, ...: let jax handle it
         return _import_public(t)
     dev, stream = _device_info(int(dl_type), dev_id)
-    cap = t.__dlpack__(stream=stream)
+    if dl_type == 2 and dev_id != torch.cuda.current_device():
+        with torch.cuda.device(dev_id):  # torch exports only from the current device
+            cap = t.__dlpack__(stream=stream)
+    else:
+        cap = t.__dlpack__(stream=stream)
     if _FAST_NEW_SIG:
         return _jaxlib.dlpack_managed_tensor_to_buffer(cap, dev, stream, None, int(dl_type))
     return _jaxlib.dlpack_managed_tensor_to_buffer(cap, dev, stream, None)
@@ -191,30 +208,8 @@ def to_jax(t: torch.Tensor, pos: int = 0, kname: str = "bridge"):
     return _import(t)
 
 
-# Weight views: id(tensor) -> (weakref, data_ptr, shape, dtype, jax array). A view pins its
-# tensor's storage, so the cache is small and bounded; a changed data_ptr (FSDP2 re-gathers
-# into a fresh buffer) or a dead tensor invalidates the entry.
-_VIEW_CACHE: dict = {}
-_VIEW_CACHE_MAX = 256
-
-
-def _cached_view(t, pos, kname):
-    key = id(t)
-    e = _VIEW_CACHE.get(key)
-    if e is not None and e[0]() is t and e[1] == t.data_ptr() and e[2] == t.shape and e[3] == t.dtype:
-        return e[4]
-    if not t.is_contiguous() or t.dtype in (torch.int64, torch.float64):
-        return to_jax(t, pos, kname)  # a fresh copy each call: nothing stable to cache
-    arr = to_jax(t, pos, kname)
-    if len(_VIEW_CACHE) >= _VIEW_CACHE_MAX:
-        _VIEW_CACHE.pop(next(iter(_VIEW_CACHE)))
-    _VIEW_CACHE[key] = (weakref.ref(t), t.data_ptr(), t.shape, t.dtype, arr)
-    return arr
-
-
 def clear_cache() -> None:
-    """Drop cached weight views (and the storage they pin)."""
-    _VIEW_CACHE.clear()
+    """Nothing to drop: the bridge keeps no JAX views between calls (see ``_inputs_to_jax``)."""
 
 
 def to_torch(a) -> torch.Tensor:
@@ -222,11 +217,13 @@ def to_torch(a) -> torch.Tensor:
 
 
 def _inputs_to_jax(kdef, tensors):
-    ci = kdef.cache_inputs
-    return tuple(
-        _cached_view(t, i, kdef.name) if i in ci else to_jax(t, i, kdef.name)
-        for i, t in enumerate(tensors)
-    )
+    # Every input is imported afresh on every call, weights too. A cache of weight views would
+    # save ~0.1 ms per weight and call, but (a) JAX copies a tensor it cannot alias (an address
+    # that is not 64-byte aligned), so a cached copy misses every later in-place update (an
+    # optimizer step), and (b) a cached view pins its tensor's storage: torch keeps a tensor's
+    # Python object alive while the DLPack capsule holds it, so no weak reference ever tells
+    # the cache that the model is gone. The native path (bridge/native.py) imports nothing.
+    return tuple(to_jax(t, i, kdef.name) for i, t in enumerate(tensors))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,12 +239,11 @@ def _inputs_to_jax(kdef, tensors):
 class _Bridged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kdef, skey, *tensors):
-        prepared = tuple(t if i in kdef.cache_inputs else _prepare(t, i, kdef.name) for i, t in enumerate(tensors))
-        outs, res = kdef.fwd_fn(skey)(*_inputs_to_jax(kdef, prepared))
-        touts = tuple(to_torch(o) for o in outs)
+        prepared = tuple(_prepare(t, i, kdef.name) for i, t in enumerate(tensors))
+        touts, tres = _run_fwd(kdef, skey, prepared)
         keep = kdef.save
         saved = prepared if keep is None else tuple(t if i in keep else None for i, t in enumerate(prepared))
-        ctx.save_for_backward(*saved, *(to_torch(r) for r in res))
+        ctx.save_for_backward(*saved, *tres)
         ctx.kdef, ctx.skey, ctx.n_in = kdef, skey, len(tensors)
         ctx.in_dtypes = tuple(t.dtype for t in tensors)
         if kdef.nondiff_outputs:
@@ -258,21 +254,42 @@ class _Bridged(torch.autograd.Function):
     def backward(ctx, *grads):
         kdef, n = ctx.kdef, ctx.n_in
         saved = ctx.saved_tensors  # raises if a saved input was modified in place
-        ci = kdef.cache_inputs
-        jx = tuple(None if t is None else (_cached_view(t, i, kdef.name) if i in ci else to_jax(t, i, kdef.name))
-                   for i, t in enumerate(saved[:n]))
-        res = tuple(to_jax(r) for r in saved[n:])
         needs = tuple(ctx.needs_input_grad[2:])
-        g = tuple(to_jax(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
-        dins = kdef.bwd_fn(ctx.skey, needs)(jx, res, g)
+        grads = tuple(_prepare(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
+        args = (tuple(saved[:n]), tuple(saved[n:]), grads)
+        p = native.plan(kdef, "bwd", (ctx.skey, needs), kdef.py_fn("bwd", ctx.skey, needs), args)
+        if p is not None:
+            dins = p(native._leaves(args))
+        else:
+            jx = tuple(None if t is None else to_jax(t, i, kdef.name) for i, t in enumerate(saved[:n]))
+            res = tuple(to_jax(r) for r in saved[n:])
+            g = tuple(to_jax(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
+            dins = tuple(None if d is None else to_torch(d) for d in kdef.bwd_fn(ctx.skey, needs)(jx, res, g))
         out = [None, None]
         for i, d in enumerate(dins):
             if d is None or not needs[i]:
                 out.append(None)
             else:
-                dt = to_torch(d)
-                out.append(dt if dt.dtype == ctx.in_dtypes[i] else dt.to(ctx.in_dtypes[i]))
+                out.append(d if d.dtype == ctx.in_dtypes[i] else d.to(ctx.in_dtypes[i]))
         return tuple(out)
+
+
+def _run_fwd(kdef, skey, tensors):
+    """(outputs, residuals) of ``kdef``'s forward as torch tensors: natively launched where a
+    plan serves it (bridge/native.py), through JAX and DLPack otherwise."""
+    p = native.plan(kdef, "fwd", skey, kdef.py_fn("fwd", skey), tensors)
+    if p is not None:
+        if torch.is_grad_enabled():  # a frozen weight that requires grad must not build a graph here
+            with torch.no_grad():
+                outs, res = p(list(tensors))
+        else:
+            outs, res = p(list(tensors))
+        return tuple(outs), tuple(res)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"pallas kernel {kdef.name!r} cannot be captured in a CUDA graph: it runs through "
+                           f"JAX on JAX's own stream ({native.status()['declined'].get(kdef.name + '/fwd') or native.available()[1]})")
+    outs, res = kdef.fwd_fn(skey)(*_inputs_to_jax(kdef, tensors))
+    return tuple(to_torch(o) for o in outs), tuple(to_torch(r) for r in res)
 
 
 def apply(kdef: KernelDef, *tensors, **static):
@@ -285,5 +302,6 @@ def apply(kdef: KernelDef, *tensors, **static):
     if torch.is_grad_enabled() and any(tensors[i].requires_grad for i in kdef.diff):
         return _Bridged.apply(kdef, skey, *tensors)
     # no autograd graph to build: skip the Function machinery and residual bookkeeping
-    outs, _ = kdef.fwd_fn(skey)(*_inputs_to_jax(kdef, tensors))
-    return tuple(to_torch(o) for o in outs) if len(outs) > 1 else to_torch(outs[0])
+    prepared = tuple(_prepare(t, i, kdef.name) for i, t in enumerate(tensors))
+    outs, _ = _run_fwd(kdef, skey, prepared)
+    return outs if len(outs) > 1 else outs[0]

@@ -22,8 +22,7 @@ from forge_pallas import rope as _rope
 
 from . import core, runtime
 
-RMSNORM = core.KernelDef("rmsnorm", _rmsnorm.rmsnorm_fwd, _rmsnorm.rmsnorm_bwd, diff=(0, 1),
-                         cache_inputs=(1,))
+RMSNORM = core.KernelDef("rmsnorm", _rmsnorm.rmsnorm_fwd, _rmsnorm.rmsnorm_bwd, diff=(0, 1))
 SWIGLU = core.KernelDef("swiglu", _glu.swiglu_fwd, _glu.swiglu_bwd, diff=(0, 1))
 GEGLU = core.KernelDef("geglu", _glu.geglu_fwd, _glu.geglu_bwd, diff=(0, 1))
 # the gated MLP's backward step: (dh, gate, up) -> (d_gate, d_up, h); called without autograd

@@ -2,7 +2,7 @@
 forge/spec/lora_qkv.py and forge/spec/lora_mlp.py.
 
 Base weights and biases are frozen (no gradient, ValueError if one requires grad while grad is
-enabled); their JAX views are cached (``cache_inputs``). Biases: all three None uses the no-bias
+enabled). Biases: all three None uses the no-bias
 kernel; some None are replaced by zeros. Zero rows return the spec's torch reference.
 """
 from __future__ import annotations
@@ -17,13 +17,11 @@ from . import core
 from .kernels import _check_devices
 
 # inputs: x, then per projection w, bias, a, b (or w, a, b without biases)
-LORA_QKV = core.KernelDef("lora_qkv", _k.lora_qkv_fwd, _k.lora_qkv_bwd, diff=(0, 3, 4, 7, 8, 11, 12),
-                          cache_inputs=(1, 2, 5, 6, 9, 10), save=(0, 1, 3, 4, 5, 7, 8, 9, 11, 12),
+LORA_QKV = core.KernelDef("lora_qkv", _k.lora_qkv_fwd, _k.lora_qkv_bwd, diff=(0, 3, 4, 7, 8, 11, 12), save=(0, 1, 3, 4, 5, 7, 8, 9, 11, 12),
                           needs_mask=True)
 LORA_QKV_NOBIAS = core.KernelDef("lora_qkv_nobias", _k.lora_qkv_fwd, _k.lora_qkv_bwd,
-                                 diff=(0, 2, 3, 5, 6, 8, 9), cache_inputs=(1, 4, 7), needs_mask=True)
-LORA_MLP = core.KernelDef("lora_mlp", _k.lora_mlp_fwd, _k.lora_mlp_bwd, diff=(0, 2, 3, 5, 6, 8, 9),
-                          cache_inputs=(1, 4, 7), needs_mask=True)
+                                 diff=(0, 2, 3, 5, 6, 8, 9), needs_mask=True)
+LORA_MLP = core.KernelDef("lora_mlp", _k.lora_mlp_fwd, _k.lora_mlp_bwd, diff=(0, 2, 3, 5, 6, 8, 9), needs_mask=True)
 
 _SEEN: set = set()  # call signatures already validated
 

@@ -9,6 +9,9 @@ JAX computation, or export the variable yourself. Other JAX memory variables
 user. Note torch's memory statistics do not see JAX's allocations (outputs of bridged kernels
 live in JAX's pool and are handed to torch zero-copy).
 
+XLA's command buffers are turned off (``--xla_gpu_enable_command_buffer=``, see below) unless
+``XLA_FLAGS`` names that flag.
+
 Interpret mode: with no GPU in JAX, the Pallas kernels run with ``interpret=True`` (on CPU
 tensors); ``FORGE_PALLAS_INTERPRET=1`` forces it (debugging on a GPU machine).
 """
@@ -18,6 +21,14 @@ import functools
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# XLA runs parts of an executable as CUDA graphs ("command buffers") and patches each graph's
+# memcpy nodes with the buffers of the current call. The bridge's executables get torch's
+# buffers, at a new address every call; one such patch failed on the H200 (the fused loss, after
+# calls at other shapes in the same process: "Failed to set memcpy D2D node params:
+# CUDA_ERROR_INVALID_VALUE"). Command buffers buy nothing for one executable per kernel call,
+# so they are off unless the user's XLA_FLAGS says otherwise.
+if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 
 @functools.cache

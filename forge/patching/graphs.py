@@ -46,8 +46,10 @@ runs the forward as patched without graphs (counted in ``stats``, with the reaso
   without a backward (evaluation with grad on, an exception) does not block.
 
 A second backward through a replayed layer (``retain_graph=True``) raises: the first backward's
-buffers were reused. Graphs need Triton kernels: JAX launches Pallas kernels on its own stream,
-outside torch's capture, so ``graphs=True`` with a Pallas layer kernel is refused at patch time.
+buffers were reused. Graphs capture Triton kernels and Pallas kernels launched natively on
+torch's stream (bridge/native.py); where that path is unavailable (JAX would launch on its own
+stream, outside torch's capture) ``graphs=True`` with a Pallas layer kernel is refused at patch
+time, and a Pallas pass the native path declines fails its capture, which then runs uncaptured.
 """
 from __future__ import annotations
 
@@ -200,6 +202,21 @@ class _KVRecorder:
         return key_states, value_states
 
 
+_STREAMS: dict = {}  # device -> the process's capture stream
+
+
+def capture_stream(dev) -> "torch.cuda.Stream":
+    """One capture stream per device for every set of every model. One per set would keep the
+    allocator from reusing the memory of the sets before it (a freed block is reused only on
+    the stream that freed it); one per model leaked: cuBLAS keeps a workspace per (handle,
+    stream) for the life of the process, so every patched-and-deleted model left its workspaces
+    behind (~98 MiB per cycle on the H200)."""
+    side = _STREAMS.get(dev)
+    if side is None:
+        side = _STREAMS[dev] = torch.cuda.Stream(device=dev)
+    return side
+
+
 class Graphs:
     """Per patched model: the captured sets and the state of the pass in flight."""
 
@@ -207,7 +224,6 @@ class Graphs:
         self.root, self.layers, self.forwards = root, layers, forwards
         self.sets: dict[tuple, _Set] = {}
         self.pool = None  # one private memory pool for every set
-        self.streams: dict = {}  # device -> the capture stream
         self.seen: dict[tuple, int] = {}  # keys seen once: captured the second time
         self.failed: dict[tuple, str] = {}  # (grad, cache) -> why its capture failed
         self.stats = Stats()
@@ -376,12 +392,7 @@ class Graphs:
         pdtype = next((ps[0].dtype for ps in trainable if ps), x0.dtype)
         s.flat = torch.zeros(max(nflat, 1), dtype=pdtype, device=dev)
         x_in = torch.zeros_like(x0).requires_grad_(x0.requires_grad)
-        # one capture stream for every set: the allocator reuses a freed block only on the
-        # stream that freed it, so a set captured on a stream of its own could not reuse the
-        # memory of the sets before it
-        side = self.streams.get(dev)
-        if side is None:
-            side = self.streams[dev] = torch.cuda.Stream(device=dev)
+        side = capture_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         # The capture differentiates with respect to aliases of the trainable parameters (same
         # storage, new leaves), swapped into the modules for its duration: the parameters' own

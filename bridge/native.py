@@ -1,0 +1,601 @@
+"""Pallas kernels launched natively on torch's stream: no JAX runtime, no DLPack per call.
+
+A bridged kernel (``core.KernelDef``) is a JAX function: one or more ``pallas_call`` s, often
+with a little XLA work around them (a reshape, the partial-sum reduction of RMSNorm's weight
+gradient, the LoRA kernels' matrix products). For each kernel, pass (fwd/bwd), static
+arguments and input shapes, :func:`plan` traces that function to a jaxpr once and turns it into
+a *plan*, a flat list of torch-side steps:
+
+- each ``pallas_call`` is lowered by JAX to Triton IR (``bridge/_jax_internals.py``), compiled
+  by the installed Triton and launched on torch's current stream like any Triton kernel;
+- every other equation runs as the equivalent torch op (``_PRIMS``): the products go through
+  cuBLAS, reshapes are views.
+
+The plan then runs on torch tensors: ~10 us of host time for a one-kernel pass instead of the
+DLPack path's 0.2-1.5 ms, on torch's stream (so CUDA graphs capture it), in torch's allocator
+(so torch's memory statistics see it). A kernel whose jaxpr holds an equation the table does
+not know, a lowering that fails or a compile that fails stays on the DLPack path, with its
+reason in :func:`status` and one warning.
+
+Caches: the TTIR of each lowered ``pallas_call`` is kept on disk (``FORGE_CACHE_DIR``, default
+``~/.cache/forge``), keyed by the JAX, jaxlib and Triton versions, the kernel, its static
+arguments and shapes, so a second process neither lowers nor (through Triton's own cache)
+compiles again. Plans are per input shape (a new row count traces and lowers again; Triton's
+cache compiles again only if the IR changed) and bounded (``_PLANS_MAX``).
+
+Launches: a plan takes the compiled kernel's launcher directly (Triton 3.6's calling
+convention, ``_FAST_TRITON``) and otherwise ``kernel[grid](*args)``. The kernel's arguments are
+its inputs then its outputs, as Pallas' Triton lowering declares them; an output aliased to an
+input (``input_output_aliases``) is that input's buffer, copied first when the input is still
+needed afterwards. Every pointer is declared 32-byte aligned by the lowering: inputs that are
+not are copied.
+
+Where it runs: CUDA tensors, JAX not in interpret mode, the private names of
+``_jax_internals`` present, ``FORGE_PALLAS_NATIVE`` not ``0``. In CI (CPU) the plans are still
+built and run, with each ``pallas_call`` evaluated by JAX's interpreter instead of launched
+(``launcher="jax"``): that checks the tracing, the torch side of every plan and the lowering to
+TTIR, not the compiled code.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import json
+import logging
+import os
+import threading
+
+import torch
+
+from . import _jax_internals as JI
+
+log = logging.getLogger("forge")
+
+_PLANS_MAX = 512
+_PLANS: "collections.OrderedDict" = collections.OrderedDict()
+_DECLINED: dict = {}  # (kernel, pass) -> reason (the latest)
+_WARNED: set = set()
+_LOCK = threading.RLock()
+_LAUNCHER = None  # None: decide ("triton" on a GPU); tests set "jax"
+
+
+class Unsupported(Exception):
+    """This kernel pass cannot run natively; the message says why."""
+
+
+# ------------------------------------------------------------------------------ availability
+
+
+@functools.cache
+def _process_reason() -> str | None:
+    if os.environ.get("FORGE_PALLAS_NATIVE", "1") == "0":
+        return "FORGE_PALLAS_NATIVE=0"
+    miss = JI.missing()
+    if miss:
+        return "this JAX lacks the internals the native path lowers through: " + ", ".join(miss)
+    if launcher() == "triton":
+        try:
+            import triton  # noqa: F401
+            import triton.compiler  # noqa: F401
+        except ImportError as e:
+            return f"triton is not importable ({e})"
+    return None
+
+
+def launcher() -> str:
+    if _LAUNCHER is not None:
+        return _LAUNCHER
+    from forge_pallas import _common
+
+    return "none" if _common.interpret() else "triton"
+
+
+def set_launcher(name: str | None) -> None:
+    """``"jax"``: evaluate each ``pallas_call`` with JAX instead of launching it (CPU tests);
+    ``"off"``: every call through JAX and DLPack; ``None``: the default (``"triton"`` where JAX
+    has a GPU). Clears the plans."""
+    global _LAUNCHER
+    if name not in (None, "jax", "triton", "off"):
+        raise ValueError(f"launcher must be None, 'jax', 'triton' or 'off', got {name!r}")
+    _LAUNCHER = name
+    _process_reason.cache_clear()
+    clear()
+
+
+def available() -> tuple[bool, str]:
+    """(on, reason) for the native path in this process."""
+    if launcher() == "none":
+        return False, "Pallas runs in interpret mode (JAX has no GPU): the DLPack path serves every call"
+    if launcher() == "off":
+        return False, "turned off (bridge.native.set_launcher('off'))"
+    why = _process_reason()
+    return (why is None), (why or "")
+
+
+def status() -> dict:
+    """{"available": bool, "reason": str, "declined": {"kernel/pass": reason}, "plans": n}."""
+    ok, why = available()
+    return {"available": ok, "reason": why, "declined": {f"{k}/{p}": r for (k, p), r in _DECLINED.items()},
+            "plans": len(_PLANS)}
+
+
+def clear() -> None:
+    with _LOCK:
+        _PLANS.clear()
+        _DECLINED.clear()
+
+
+def _decline(kname, which, why):
+    _DECLINED[(kname, which)] = why
+    if (kname, which, why) not in _WARNED:
+        _WARNED.add((kname, which, why))
+        log.warning("pallas %s (%s) runs through JAX and DLPack, not natively: %s", kname, which, why)
+
+
+# ------------------------------------------------------------------------------ dtypes
+
+
+def _torch_dtype(jdt) -> torch.dtype:
+    name = str(jdt)
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise Unsupported(f"dtype {name}")
+    return dt
+
+
+def _jax_dtype(tdt):
+    import jax.numpy as jnp
+
+    return jnp.dtype(str(tdt).removeprefix("torch."))
+
+
+# ------------------------------------------------------------------------------ torch primitives
+# Each entry: params -> fn(ctx, *operands) returning one value or a list (multiple results).
+# Operands are torch tensors or Python scalars (literals, and what folds from them).
+
+
+def _scalar_or(x, fn_t, fn_s):
+    return fn_t(x) if isinstance(x, torch.Tensor) else fn_s(x)
+
+
+def _convert(p):
+    dt = _torch_dtype(p["new_dtype"])
+    py = float if dt.is_floating_point else (bool if dt == torch.bool else int)
+    return lambda ctx, x: _scalar_or(x, lambda t: t.to(dt), py)
+
+
+def _reshape(p):
+    if p.get("dimensions") is not None:
+        raise Unsupported("reshape with dimensions")
+    shape = tuple(p["new_sizes"])
+    return lambda ctx, x: x.reshape(shape)
+
+
+def _broadcast(p):
+    shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
+
+    def fn(ctx, x):
+        if not isinstance(x, torch.Tensor):
+            return torch.full(shape, x, dtype=ctx.out_dtype, device=ctx.device)
+        view = [1] * len(shape)
+        for i, d in enumerate(dims):
+            view[d] = x.shape[i]
+        return x.reshape(view).expand(shape)
+
+    return fn
+
+
+def _pad(p):
+    cfg = p["padding_config"]
+    if any(int(c[2]) for c in cfg):
+        raise Unsupported("pad with interior padding")
+    pads = [int(v) for lo, hi, _ in reversed(cfg) for v in (lo, hi)]
+
+    def fn(ctx, x, value):
+        if isinstance(value, torch.Tensor):
+            raise Unsupported("pad with a traced padding value")
+        return torch.nn.functional.pad(x, pads, value=value)
+
+    return fn
+
+
+def _mm(a, b, out_dtype):
+    """a (M, K) @ b (K, N), accumulated in fp32, rounded once to ``out_dtype``."""
+    if a.dtype == out_dtype or not a.is_cuda:
+        return torch.mm(a.to(out_dtype), b.to(out_dtype)) if a.dtype != out_dtype else torch.mm(a, b)
+    return torch.mm(a, b, out_dtype=out_dtype)  # bf16/fp16 operands, fp32 result (cuBLAS)
+
+
+def _dot_general(p):
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    if lb or rb:
+        raise Unsupported("dot_general with batch dimensions")
+    lc, rc = tuple(lc), tuple(rc)
+    pref = p.get("preferred_element_type")
+
+    def fn(ctx, a, b):
+        out = ctx.out_dtype
+        if a.dim() == 2 and b.dim() == 2 and len(lc) == 1:
+            a2 = a if lc == (1,) else a.t()
+            b2 = b if rc == (0,) else b.t()
+            if a2.dtype != b2.dtype:
+                a2, b2 = a2.to(out), b2.to(out)
+            return _mm(a2, b2, out)
+        return torch.tensordot(a.to(out), b.to(out), dims=(lc, rc))
+
+    del pref
+    return fn
+
+
+def _elementwise(op):
+    return lambda p: (lambda ctx, *xs: op(*xs))
+
+
+def _reduce(op):
+    def make(p):
+        axes = tuple(p["axes"])
+        return lambda ctx, x: op(x, axes)
+
+    return make
+
+
+def _slice(p):
+    start, limit = p["start_indices"], p["limit_indices"]
+    strides = p.get("strides") or (1,) * len(start)
+    idx = tuple(slice(int(s), int(e), int(st)) for s, e, st in zip(start, limit, strides))
+    return lambda ctx, x: x[idx]
+
+
+def _to_shape(p):
+    return lambda ctx, x: x.reshape(ctx.out_shape)
+
+
+_PRIMS = {
+    "convert_element_type": _convert,
+    "reshape": _reshape,
+    "squeeze": _to_shape,
+    "expand_dims": _to_shape,
+    "broadcast_in_dim": _broadcast,
+    "pad": _pad,
+    "concatenate": lambda p: (lambda ctx, *xs: torch.cat(xs, dim=int(p["dimension"]))),
+    "dot_general": _dot_general,
+    "transpose": lambda p: (lambda ctx, x: x.permute(tuple(p["permutation"]))),
+    "slice": _slice,
+    "reduce_sum": _reduce(lambda x, axes: x.sum(dim=axes)),
+    "reduce_max": _reduce(lambda x, axes: x.amax(dim=axes)),
+    "add": _elementwise(lambda a, b: a + b),
+    "add_any": _elementwise(lambda a, b: a + b),
+    "sub": _elementwise(lambda a, b: a - b),
+    "mul": _elementwise(lambda a, b: a * b),
+    "div": _elementwise(lambda a, b: a / b),
+    "neg": _elementwise(lambda a: -a),
+    "max": _elementwise(lambda a, b: torch.maximum(a, b)),
+    "min": _elementwise(lambda a, b: torch.minimum(a, b)),
+    "copy": _elementwise(lambda a: a.clone()),
+    "copy_p": _elementwise(lambda a: a.clone()),
+}
+
+
+# ------------------------------------------------------------------------------ pallas_call
+
+
+def _cache_dir() -> str:
+    return os.environ.get("FORGE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "forge")
+
+
+@functools.cache
+def _versions() -> tuple:
+    import jax
+    import jaxlib
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "none"
+    return (jax.__version__, jaxlib.__version__, tv)
+
+
+def _lowered(eqn, key: str):
+    """The TTIR of ``eqn``, from the disk cache or lowered now (and stored)."""
+    path = os.path.join(_cache_dir(), "pallas-native", key + ".json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return JI.Lowered(d["ttir"], tuple(d["grid"]), d["num_warps"], d["num_stages"]), path
+    except (OSError, ValueError, KeyError):
+        pass
+    low = JI.lower_pallas_call(eqn)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"ttir": low.ttir, "grid": low.grid, "num_warps": low.num_warps,
+                       "num_stages": low.num_stages}, f)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: lower again next time
+        log.debug("forge: cannot write the native-launch cache %s: %s", path, e)
+    return low, path
+
+
+_FAST_TRITON = None
+
+
+def _fast_triton() -> bool:
+    global _FAST_TRITON
+    if _FAST_TRITON is None:
+        import triton
+
+        _FAST_TRITON = triton.__version__.startswith("3.6.")
+    return _FAST_TRITON
+
+
+class _TritonLaunch:
+    """A lowered kernel compiled by the installed Triton; launches on torch's current stream."""
+
+    def __init__(self, low, path):
+        import triton
+
+        ttir = path[:-len(".json")] + ".ttir"
+        if not os.path.exists(ttir):
+            with open(ttir, "w") as f:
+                f.write(low.ttir)
+        self.grid = low.grid
+        self.ck = triton.compile(ttir, options={"num_warps": low.num_warps, "num_stages": low.num_stages})
+        self._run = None
+
+    def __call__(self, args):
+        g0, g1, g2 = self.grid
+        if self._run is None or not _fast_triton():
+            self.ck[(g0, g1, g2)](*args)
+            self._run = self.ck.run
+            return
+        dev = args[0].device.index
+        self._run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(dev), self.ck.function,
+                  self.ck.packed_metadata, None, None, None, *args)
+
+
+class _JaxEval:
+    """Evaluates the ``pallas_call`` with JAX (interpret mode on CPU): the CPU tests' launcher."""
+
+    def __init__(self, eqn):
+        import jax
+
+        self.eqn = eqn
+        self.fn = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params))
+
+    def __call__(self, args):
+        import jax
+
+        from . import core
+
+        n_in = len(self.eqn.invars)
+        # copies: an aliased input may come back as JAX's output buffer, which JAX would then
+        # consider its own and reuse after the array dies, under the plan's tensor
+        ins = [t.clone() for t in args[:n_in]]
+        outs = self.fn(*(core.to_jax(t) for t in ins))
+        jax.block_until_ready(outs)  # JAX reads ``ins`` asynchronously: keep them alive till done
+        for dst, o in zip(args[n_in:], outs):
+            dst.copy_(core.to_torch(o))
+
+
+def _ready(t):
+    """A kernel argument: compact strides, 32-byte aligned (what the lowering declares)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.data_ptr() & 31:
+        t = t.clone()
+    return t
+
+
+def _pallas_step(eqn, key, later_uses):
+    outs = eqn.outvars
+    out_meta = [(tuple(v.aval.shape), _torch_dtype(v.aval.dtype)) for v in outs]
+    aliases = {int(o): int(i) for i, o in eqn.params.get("input_output_aliases", ())}
+    # an aliased input the plan still needs (or was given) is copied before the kernel writes it
+    copy_alias = {o: i for o, i in aliases.items() if later_uses(eqn.invars[i])}
+    if launcher() == "jax":
+        launch = _JaxEval(eqn)
+    else:
+        low, path = _lowered(eqn, key)
+        try:
+            launch = _TritonLaunch(low, path)
+        except Exception as e:  # noqa: BLE001 - a compile failure declines, it never crashes a call
+            raise Unsupported(f"Triton could not compile the lowered {eqn.params.get('name')}: {e}") from e
+
+    def fn(ctx, *ins):
+        ins = [_ready(t) for t in ins]
+        res = []
+        for j, (shape, dt) in enumerate(out_meta):
+            i = aliases.get(j)
+            if i is None:
+                res.append(torch.empty(shape, dtype=dt, device=ctx.device))
+            else:
+                res.append(ins[i].clone() if j in copy_alias else ins[i])
+                if j in copy_alias:
+                    ins[i] = res[-1]
+        launch(ins + res)
+        return res
+
+    return fn
+
+
+# ------------------------------------------------------------------------------ plans
+
+
+class _Ctx:
+    __slots__ = ("device", "out_dtype", "out_shape")
+
+
+class Plan:
+    """A kernel pass as torch steps; ``plan(*flat_inputs)`` returns the pass's output pytree."""
+
+    def __init__(self, steps, invars, outvars, consts, out_tree):
+        self.steps, self.invars, self.outvars = steps, invars, outvars
+        self.consts, self.out_tree = consts, out_tree
+
+    def __call__(self, flat):
+        import jax
+
+        env = dict(self.consts)
+        env.update(zip(self.invars, flat))
+        ctx = _Ctx()
+        ctx.device = flat[0].device
+        for fn, ins, outs, out_dtype, out_shape in self.steps:
+            ctx.out_dtype, ctx.out_shape = out_dtype, out_shape
+            vals = fn(ctx, *(env[k] if type(k) is _Var else k.v for k in ins))
+            if len(outs) == 1 and not isinstance(vals, list):
+                env[outs[0]] = vals
+            else:
+                env.update(zip(outs, vals))
+        res = [env[k] if type(k) is _Var else k.v for k in self.outvars]
+        return jax.tree_util.tree_unflatten(self.out_tree, res)
+
+
+class _Var:
+    """A jaxpr variable as a plan key: the traced Var and the call it was inlined from (a jitted
+    helper called twice has one inner jaxpr, so its Vars are the same objects both times)."""
+
+    __slots__ = ("v", "scope")
+
+    def __init__(self, v, scope=0):
+        self.v, self.scope = v, scope
+
+    def __hash__(self):
+        return hash((id(self.v), self.scope))
+
+    def __eq__(self, o):
+        return type(o) is _Var and o.v is self.v and o.scope == self.scope
+
+
+class _Lit:
+    """A literal operand, as a Python scalar (torch ops take those without a device copy)."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        if getattr(v, "ndim", None) == 0:
+            v = v.item()
+        self.v = v
+
+
+def _build(fn, args, key_prefix):
+    import jax
+
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    steps = []
+    jaxpr = closed.jaxpr
+    consts = {}
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        consts[_Var(v)] = torch.as_tensor(jax.device_get(c))
+
+    # flatten nested calls into one equation list, renaming inner variables to outer keys
+    flat_eqns = []
+    scopes = iter(range(1, 1 << 30))
+
+    def walk(jx, env, scope):
+        for e in jx.eqns:
+            ins = [_Lit(v.val) if JI.is_literal(v) else env.get(v, _Var(v, scope)) for v in e.invars]
+            sub = JI.subjaxpr(e)
+            if sub is not None:
+                inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+                if getattr(sub, "consts", None):
+                    raise Unsupported(f"{e.primitive.name} with constants")
+                m, inner_scope = dict(zip(inner.invars, ins)), next(scopes)
+                walk(inner, m, inner_scope)
+                for o, io in zip(e.outvars, inner.outvars):
+                    env[o] = _Lit(io.val) if JI.is_literal(io) else m.get(io, _Var(io, inner_scope))
+                continue
+            flat_eqns.append((e, ins, [_Var(o, scope) for o in e.outvars]))
+
+    top = {}
+    walk(jaxpr, top, 0)
+    outvars = [_Lit(v.val) if JI.is_literal(v) else top.get(v, _Var(v)) for v in jaxpr.outvars]
+    invars = [_Var(v) for v in jaxpr.invars]
+    given = set(invars) | set(consts)
+    final = {k for k in outvars if type(k) is _Var}
+
+    for n, (e, ins, outs) in enumerate(flat_eqns):
+        name = e.primitive.name
+        if name == JI.PALLAS_CALL:
+            def later(v, n=n, ins=ins, e=e):
+                k = ins[e.invars.index(v)]
+                if type(k) is not _Var or k in given or k in final:
+                    return True
+                return any(k in later_ins for _, later_ins, _ in flat_eqns[n + 1:])
+
+            key = hashlib.sha256(repr((_versions(), key_prefix, n)).encode()).hexdigest()[:32]
+            step = _pallas_step(e, key, later)
+        else:
+            make = _PRIMS.get(name)
+            if make is None:
+                raise Unsupported(f"no torch equivalent for the XLA primitive {name!r}")
+            step = make(e.params)
+        aval = e.outvars[0].aval
+        out_dtype = _torch_dtype(aval.dtype) if hasattr(aval, "dtype") else None
+        steps.append((step, ins, outs, out_dtype, tuple(getattr(aval, "shape", ()))))
+    return Plan(steps, invars, outvars, consts, out_tree)
+
+
+def _aval(t):
+    import jax
+
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(_aval(x) for x in t)
+    return jax.ShapeDtypeStruct(tuple(t.shape), _jax_dtype(t.dtype))
+
+
+def _sig(a):
+    if a is None:
+        return None
+    if isinstance(a, tuple):
+        return tuple(_sig(x) for x in a)
+    return (a.shape, a.dtype)
+
+
+def _leaves(args):
+    out = []
+    for a in args:
+        if isinstance(a, tuple):
+            out.extend(x for x in a if x is not None)
+        elif a is not None:
+            out.append(a)
+    return out
+
+
+def plan(kdef, which: str, skey, fn, args: tuple):
+    """The plan of ``fn`` (``kdef``'s pass ``which`` with its static arguments ``skey`` bound)
+    on the positional ``args`` (torch tensors, None, or tuples of them), or None when it cannot
+    run natively (the reason in :func:`status`). Built on first use per shape, then cached.
+    Call it as ``plan(flat)`` with the non-None tensors of ``args`` in order."""
+    first = next(iter(_leaves(args)), None)
+    if first is None:
+        return None
+    dev = first.device
+    key = (kdef.name, which, skey, dev, _sig(args))
+    hit = _PLANS.get(key)
+    if hit is not None:
+        return hit or None
+    with _LOCK:
+        ok, _ = available()
+        if not ok or (dev.type != "cuda" and launcher() == "triton"):
+            return None
+        try:
+            p = _build(fn, _aval(args), (kdef.name, which, repr(skey), repr(key[4]), _gpu_kind()))
+        except Unsupported as e:
+            _decline(kdef.name, which, str(e))
+            p = False
+        _PLANS[key] = p
+        if len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+        return p or None
+
+
+@functools.cache
+def _gpu_kind():
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
