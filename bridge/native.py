@@ -151,33 +151,34 @@ def _jax_dtype(tdt):
 
 
 # ------------------------------------------------------------------------------ torch primitives
-# Each entry: params -> fn(ctx, *operands) returning one value or a list (multiple results).
-# Operands are torch tensors or Python scalars (literals, and what folds from them).
+# Each entry: (params, ctx) -> fn(*operands) returning one value or a list (multiple results);
+# ctx holds the equation's output dtype and shape and the plan's device box. Operands are torch
+# tensors or Python scalars (literals, and what folds from them).
 
 
-def _scalar_or(x, fn_t, fn_s):
-    return fn_t(x) if isinstance(x, torch.Tensor) else fn_s(x)
+class _Ctx:
+    __slots__ = ("out_dtype", "out_shape", "dev")
 
 
-def _convert(p):
+def _convert(p, ctx):
     dt = _torch_dtype(p["new_dtype"])
     py = float if dt.is_floating_point else (bool if dt == torch.bool else int)
-    return lambda ctx, x: _scalar_or(x, lambda t: t.to(dt), py)
+    return lambda x: x.to(dt) if isinstance(x, torch.Tensor) else py(x)
 
 
-def _reshape(p):
+def _reshape(p, ctx):
     if p.get("dimensions") is not None:
         raise Unsupported("reshape with dimensions")
     shape = tuple(p["new_sizes"])
-    return lambda ctx, x: x.reshape(shape)
+    return lambda x: x.reshape(shape)
 
 
-def _broadcast(p):
+def _broadcast(p, ctx):
     shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
 
-    def fn(ctx, x):
+    def fn(x):
         if not isinstance(x, torch.Tensor):
-            return torch.full(shape, x, dtype=ctx.out_dtype, device=ctx.device)
+            return torch.full(shape, x, dtype=ctx.out_dtype, device=ctx.dev[0])
         view = [1] * len(shape)
         for i, d in enumerate(dims):
             view[d] = x.shape[i]
@@ -186,13 +187,13 @@ def _broadcast(p):
     return fn
 
 
-def _pad(p):
+def _pad(p, ctx):
     cfg = p["padding_config"]
     if any(int(c[2]) for c in cfg):
         raise Unsupported("pad with interior padding")
     pads = [int(v) for lo, hi, _ in reversed(cfg) for v in (lo, hi)]
 
-    def fn(ctx, x, value):
+    def fn(x, value):
         if isinstance(value, torch.Tensor):
             raise Unsupported("pad with a traced padding value")
         return torch.nn.functional.pad(x, pads, value=value)
@@ -202,20 +203,21 @@ def _pad(p):
 
 def _mm(a, b, out_dtype):
     """a (M, K) @ b (K, N), accumulated in fp32, rounded once to ``out_dtype``."""
-    if a.dtype == out_dtype or not a.is_cuda:
-        return torch.mm(a.to(out_dtype), b.to(out_dtype)) if a.dtype != out_dtype else torch.mm(a, b)
+    if a.dtype == out_dtype:
+        return torch.mm(a, b)
+    if not a.is_cuda:
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
     return torch.mm(a, b, out_dtype=out_dtype)  # bf16/fp16 operands, fp32 result (cuBLAS)
 
 
-def _dot_general(p):
+def _dot_general(p, ctx):
     (lc, rc), (lb, rb) = p["dimension_numbers"]
     if lb or rb:
         raise Unsupported("dot_general with batch dimensions")
     lc, rc = tuple(lc), tuple(rc)
-    pref = p.get("preferred_element_type")
+    out = ctx.out_dtype
 
-    def fn(ctx, a, b):
-        out = ctx.out_dtype
+    def fn(a, b):
         if a.dim() == 2 and b.dim() == 2 and len(lc) == 1:
             a2 = a if lc == (1,) else a.t()
             b2 = b if rc == (0,) else b.t()
@@ -224,31 +226,40 @@ def _dot_general(p):
             return _mm(a2, b2, out)
         return torch.tensordot(a.to(out), b.to(out), dims=(lc, rc))
 
-    del pref
     return fn
 
 
 def _elementwise(op):
-    return lambda p: (lambda ctx, *xs: op(*xs))
+    return lambda p, ctx: op
 
 
 def _reduce(op):
-    def make(p):
+    def make(p, ctx):
         axes = tuple(p["axes"])
-        return lambda ctx, x: op(x, axes)
+        return lambda x: op(x, axes)
 
     return make
 
 
-def _slice(p):
+def _slice(p, ctx):
     start, limit = p["start_indices"], p["limit_indices"]
     strides = p.get("strides") or (1,) * len(start)
     idx = tuple(slice(int(s), int(e), int(st)) for s, e, st in zip(start, limit, strides))
-    return lambda ctx, x: x[idx]
+    return lambda x: x[idx]
 
 
-def _to_shape(p):
-    return lambda ctx, x: x.reshape(ctx.out_shape)
+def _to_shape(p, ctx):
+    return lambda x: x.reshape(ctx.out_shape)
+
+
+def _concatenate(p, ctx):
+    dim = int(p["dimension"])
+    return lambda *xs: torch.cat(xs, dim=dim)
+
+
+def _transpose(p, ctx):
+    perm = tuple(p["permutation"])
+    return lambda x: x.permute(perm)
 
 
 _PRIMS = {
@@ -258,9 +269,9 @@ _PRIMS = {
     "expand_dims": _to_shape,
     "broadcast_in_dim": _broadcast,
     "pad": _pad,
-    "concatenate": lambda p: (lambda ctx, *xs: torch.cat(xs, dim=int(p["dimension"]))),
+    "concatenate": _concatenate,
     "dot_general": _dot_general,
-    "transpose": lambda p: (lambda ctx, x: x.permute(tuple(p["permutation"]))),
+    "transpose": _transpose,
     "slice": _slice,
     "reduce_sum": _reduce(lambda x, axes: x.sum(dim=axes)),
     "reduce_max": _reduce(lambda x, axes: x.amax(dim=axes)),
@@ -374,11 +385,11 @@ class _JaxEval:
         n_in = len(self.eqn.invars)
         # copies: an aliased input may come back as JAX's output buffer, which JAX would then
         # consider its own and reuse after the array dies, under the plan's tensor
-        ins = [t.clone() for t in args[:n_in]]
+        ins = [t.clone().reshape(v.aval.shape) for t, v in zip(args[:n_in], self.eqn.invars)]  # (reshapes elided)
         outs = self.fn(*(core.to_jax(t) for t in ins))
         jax.block_until_ready(outs)  # JAX reads ``ins`` asynchronously: keep them alive till done
         for dst, o in zip(args[n_in:], outs):
-            dst.copy_(core.to_torch(o))
+            dst.copy_(core.to_torch(o).reshape(dst.shape))  # the plan may allocate it reshaped
 
 
 def _ready(t):
@@ -390,9 +401,9 @@ def _ready(t):
     return t
 
 
-def _pallas_step(eqn, key, later_uses):
+def _pallas_step(eqn, key, later_uses, ctx, out_shapes):
     outs = eqn.outvars
-    out_meta = [(tuple(v.aval.shape), _torch_dtype(v.aval.dtype)) for v in outs]
+    out_meta = [(out_shapes.get(j, tuple(v.aval.shape)), _torch_dtype(v.aval.dtype)) for j, v in enumerate(outs)]
     aliases = {int(o): int(i) for i, o in eqn.params.get("input_output_aliases", ())}
     # an aliased input the plan still needs (or was given) is copied before the kernel writes it
     copy_alias = {o: i for o, i in aliases.items() if later_uses(eqn.invars[i])}
@@ -405,13 +416,14 @@ def _pallas_step(eqn, key, later_uses):
         except Exception as e:  # noqa: BLE001 - a compile failure declines, it never crashes a call
             raise Unsupported(f"Triton could not compile the lowered {eqn.params.get('name')}: {e}") from e
 
-    def fn(ctx, *ins):
+    def fn(*ins):
         ins = [_ready(t) for t in ins]
         res = []
+        dev = ctx.dev[0]
         for j, (shape, dt) in enumerate(out_meta):
             i = aliases.get(j)
             if i is None:
-                res.append(torch.empty(shape, dtype=dt, device=ctx.device))
+                res.append(torch.empty(shape, dtype=dt, device=dev))
             else:
                 res.append(ins[i].clone() if j in copy_alias else ins[i])
                 if j in copy_alias:
@@ -425,33 +437,39 @@ def _pallas_step(eqn, key, later_uses):
 # ------------------------------------------------------------------------------ plans
 
 
-class _Ctx:
-    __slots__ = ("device", "out_dtype", "out_shape")
-
-
 class Plan:
-    """A kernel pass as torch steps; ``plan(*flat_inputs)`` returns the pass's output pytree."""
+    """A kernel pass as torch steps over a list of slots; ``plan(flat_inputs)`` returns the pass's
+    output pytree. Constants and literals sit in the slot template; each step reads its slots
+    and writes its result's."""
 
-    def __init__(self, steps, invars, outvars, consts, out_tree):
-        self.steps, self.invars, self.outvars = steps, invars, outvars
-        self.consts, self.out_tree = consts, out_tree
+    __slots__ = ("steps", "template", "in_slots", "out", "dev")
+
+    def __init__(self, steps, template, in_slots, out, dev):
+        self.steps, self.template, self.in_slots, self.out, self.dev = steps, template, in_slots, out, dev
 
     def __call__(self, flat):
-        import jax
-
-        env = dict(self.consts)
-        env.update(zip(self.invars, flat))
-        ctx = _Ctx()
-        ctx.device = flat[0].device
-        for fn, ins, outs, out_dtype, out_shape in self.steps:
-            ctx.out_dtype, ctx.out_shape = out_dtype, out_shape
-            vals = fn(ctx, *(env[k] if type(k) is _Var else k.v for k in ins))
-            if len(outs) == 1 and not isinstance(vals, list):
-                env[outs[0]] = vals
+        env = self.template[:]
+        for i, t in zip(self.in_slots, flat):
+            env[i] = t
+        self.dev[0] = flat[0].device
+        for fn, idx, outs in self.steps:
+            r = fn(*[env[i] for i in idx])
+            if type(outs) is int:
+                env[outs] = r
             else:
-                env.update(zip(outs, vals))
-        res = [env[k] if type(k) is _Var else k.v for k in self.outvars]
-        return jax.tree_util.tree_unflatten(self.out_tree, res)
+                for o, v in zip(outs, r):
+                    env[o] = v
+        return self.out(env)
+
+
+def _assembler(tree):
+    """env -> the output pytree, for a template pytree of slot indices (None stays None)."""
+    if tree is None:
+        return lambda env: None
+    if isinstance(tree, int):
+        return lambda env: env[tree]
+    parts = [_assembler(t) for t in tree]
+    return lambda env: tuple(p(env) for p in parts)
 
 
 class _Var:
@@ -479,6 +497,46 @@ class _Lit:
         if getattr(v, "ndim", None) == 0:
             v = v.item()
         self.v = v
+
+
+_RESHAPES = ("reshape", "squeeze", "expand_dims")
+
+
+def _elide_reshapes(flat_eqns, outvars):
+    """Drop the reshapes a kernel needs no step for: a ``pallas_call`` reads and writes through
+    pointers, so a reshape whose result only ``pallas_call`` s read is its input (same memory,
+    row-major), and a reshape of a ``pallas_call`` output that nothing else reads is that output
+    allocated in the reshaped shape. Returns the remaining equations (their operands renamed)
+    and, per remaining ``pallas_call`` index, {output position: shape to allocate}."""
+    uses = collections.Counter(k for _, ins, _ in flat_eqns for k in ins if type(k) is _Var)
+    uses.update(k for k in outvars if type(k) is _Var)
+    readers = collections.defaultdict(set)
+    producer = {}
+    for n, (e, ins, outs) in enumerate(flat_eqns):
+        for k in ins:
+            readers[k].add(e.primitive.name)
+        for j, k in enumerate(outs):
+            producer[k] = (n, j)
+    rename, skip, grow = {}, set(), {}
+    for n, (e, ins, outs) in enumerate(flat_eqns):
+        if e.primitive.name not in _RESHAPES or type(ins[0]) is not _Var:
+            continue
+        src, dst = rename.get(ins[0], ins[0]), outs[0]
+        if dst not in outvars and readers[dst] == {JI.PALLAS_CALL}:
+            rename[dst], skip = src, skip | {n}
+        elif src in producer and uses[src] == 1 and flat_eqns[producer[src][0]][0].primitive.name == JI.PALLAS_CALL:
+            pn, j = producer[src]
+            grow.setdefault(pn, {})[j] = tuple(e.outvars[0].aval.shape)
+            rename[dst], skip = src, skip | {n}
+    kept, overrides = [], {}
+    for n, (e, ins, outs) in enumerate(flat_eqns):
+        if n in skip:
+            continue
+        if n in grow:
+            overrides[len(kept)] = grow[n]
+        kept.append((e, [rename.get(k, k) for k in ins], outs))
+    outvars[:] = [rename.get(k, k) for k in outvars]
+    return kept, overrides
 
 
 def _build(fn, args, key_prefix):
@@ -518,8 +576,33 @@ def _build(fn, args, key_prefix):
     given = set(invars) | set(consts)
     final = {k for k in outvars if type(k) is _Var}
 
+    flat_eqns, overrides = _elide_reshapes(flat_eqns, outvars)
+    final = {k for k in outvars if type(k) is _Var}
+
+    # slots: every variable and literal gets one; constants and literals are in the template
+    slots: dict = {}
+    template: list = []
+
+    def slot(k, value=None):
+        if type(k) is _Lit:
+            template.append(k.v)
+            return len(template) - 1
+        i = slots.get(k)
+        if i is None:
+            i = slots[k] = len(template)
+            template.append(value)
+        return i
+
+    for k, c in consts.items():
+        slot(k, c)
+    in_slots = [slot(k) for k in invars]
+    dev = [None]
     for n, (e, ins, outs) in enumerate(flat_eqns):
         name = e.primitive.name
+        aval = e.outvars[0].aval
+        ctx = _Ctx()
+        ctx.out_dtype = _torch_dtype(aval.dtype) if hasattr(aval, "dtype") else None
+        ctx.out_shape, ctx.dev = tuple(getattr(aval, "shape", ())), dev
         if name == JI.PALLAS_CALL:
             def later(v, n=n, ins=ins, e=e):
                 k = ins[e.invars.index(v)]
@@ -528,16 +611,19 @@ def _build(fn, args, key_prefix):
                 return any(k in later_ins for _, later_ins, _ in flat_eqns[n + 1:])
 
             key = hashlib.sha256(repr((_versions(), key_prefix, n)).encode()).hexdigest()[:32]
-            step = _pallas_step(e, key, later)
+            step = _pallas_step(e, key, later, ctx, overrides.get(n, {}))
         else:
             make = _PRIMS.get(name)
             if make is None:
                 raise Unsupported(f"no torch equivalent for the XLA primitive {name!r}")
-            step = make(e.params)
-        aval = e.outvars[0].aval
-        out_dtype = _torch_dtype(aval.dtype) if hasattr(aval, "dtype") else None
-        steps.append((step, ins, outs, out_dtype, tuple(getattr(aval, "shape", ()))))
-    return Plan(steps, invars, outvars, consts, out_tree)
+            step = make(e.params, ctx)
+        idx = tuple(slot(k) for k in ins)
+        out_idx = [slot(k) for k in outs]
+        multi = name == JI.PALLAS_CALL or e.primitive.multiple_results
+        steps.append((step, idx, out_idx if multi else out_idx[0]))
+    flat_out = [slot(k) for k in outvars]
+    shape = jax.tree_util.tree_unflatten(out_tree, flat_out)
+    return Plan(steps, template, in_slots, _assembler(shape), dev)
 
 
 def _aval(t):

@@ -33,9 +33,22 @@ if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
 
 @functools.cache
 def jax_module():
-    """Import jax (lazily: ``import bridge`` must not fail when jax is missing)."""
+    """Import jax (lazily: ``import bridge`` must not fail when jax is missing) and start its
+    backends here, keeping torch's current CUDA device: starting JAX's GPU backend initialises
+    every visible GPU and leaves the last one current, so with two GPUs a later
+    ``tensor.cuda()`` in the user's code would land on cuda:1."""
     import jax
 
+    import torch
+
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else None
+    try:
+        jax.devices()
+    except RuntimeError:
+        pass
+    finally:
+        if dev is not None and torch.cuda.current_device() != dev:
+            torch.cuda.set_device(dev)
     return jax
 
 

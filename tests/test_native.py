@@ -241,3 +241,17 @@ def test_native_launch_in_a_fresh_process_is_cached(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
     assert any(p.suffix == ".ttir" for p in (tmp_path / "pallas-native").iterdir())
     print(runs[0].stdout, runs[1].stdout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs (JAX's start-up switches devices)")
+def test_starting_jax_keeps_torchs_current_device():
+    code = textwrap.dedent("""
+        import torch
+        from forge import ops
+        ops.get("rmsnorm", "pallas")(torch.randn(8, 64, device="cuda"), torch.randn(64, device="cuda"))
+        assert torch.cuda.current_device() == 0, torch.cuda.current_device()
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=os.getcwd()),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
