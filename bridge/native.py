@@ -43,6 +43,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 import os
 import threading
 
@@ -468,7 +469,15 @@ def _assembler(tree):
         return lambda env: None
     if isinstance(tree, int):
         return lambda env: env[tree]
+    if tree and all(isinstance(t, int) for t in tree):  # a flat tuple: one C-level gather
+        if len(tree) == 1:
+            i = tree[0]
+            return lambda env: (env[i],)
+        return operator.itemgetter(*tree)
     parts = [_assembler(t) for t in tree]
+    if len(parts) == 2:
+        a, b = parts
+        return lambda env: (a(env), b(env))
     return lambda env: tuple(p(env) for p in parts)
 
 
@@ -659,11 +668,17 @@ def plan(kdef, which: str, skey, fn, args: tuple):
     on the positional ``args`` (torch tensors, None, or tuples of them), or None when it cannot
     run natively (the reason in :func:`status`). Built on first use per shape, then cached.
     Call it as ``plan(flat)`` with the non-None tensors of ``args`` in order."""
-    first = next(iter(_leaves(args)), None)
-    if first is None:
-        return None
-    dev = first.device
-    key = (kdef.name, which, skey, dev, _sig(args))
+    if which == "fwd":  # flat tensors: the cheap signature
+        if not args:
+            return None
+        dev = args[0].device
+        key = (kdef.name, which, skey, dev, tuple([(t.shape, t.dtype) for t in args]))
+    else:
+        first = next(iter(_leaves(args)), None)
+        if first is None:
+            return None
+        dev = first.device
+        key = (kdef.name, which, skey, dev, _sig(args))
     hit = _PLANS.get(key)
     if hit is not None:
         return hit or None
