@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._gated_mlp import _any_autocast
+from ..spec.fused_linear_ce import check_labels
 from .guard import CAPTURE
 
 
@@ -146,6 +147,11 @@ def rope_function(kernel, orig, threshold, ks):
 
 
 def fused_ce_forward(kernel, inner, softcap_attr, ks):
+    """The CausalLM forward of the fused loss (training with labels): the decoder, then the
+    lm_head and the loss in one kernel call, ``logits=None``. Labels are checked for their dtype
+    before the decoder runs (eager's loss refuses int32 only after it); their range is checked
+    by the kernel's entry (forge.spec.fused_linear_ce.check_label_range). The decoder is asked
+    for no KV cache unless the caller passes ``use_cache``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     sig = inspect.signature(inner)
@@ -170,6 +176,11 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
                 ks.fallback += 1
             return inner(self, *args, **kwargs)
         extra = dict(a.get(varkw) or {}) if varkw else {}
+        ignore_index = extra.get("ignore_index", -100)
+        shift = extra.get("shift_labels")
+        if shift is None:  # HF's ForCausalLMLoss: position t predicts label t + 1
+            shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        check_labels(shift)
         # the decoder gets what HF's forward passes it: every named input but the two consumed
         # here, plus the extra kwargs (HF passes num_items_in_batch etc. to both)
         model_kwargs = {n: a[n] for n in named if n in a and n not in ("labels", "logits_to_keep")}
@@ -178,10 +189,6 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
             model_kwargs["use_cache"] = False  # a loss without logits has no use for a KV cache
         outputs = getattr(self, self.base_model_prefix)(**model_kwargs)
         hidden = outputs.last_hidden_state  # (B, S, H)
-        ignore_index = extra.get("ignore_index", -100)
-        shift = extra.get("shift_labels")
-        if shift is None:  # HF's ForCausalLMLoss: position t predicts label t + 1
-            shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         lm = self.lm_head
         h = hidden.reshape(-1, hidden.shape[-1])  # (B*S, H)
         if h.dtype != w.dtype:  # autocast over fp32 weights: compute in fp32, at least as exact
