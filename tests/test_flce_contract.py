@@ -114,6 +114,48 @@ def test_patched_model_rejects_bad_labels_as_eager(backend):
     assert model._forge_guard_stats.fallback("fused_linear_ce") == 0  # the fused path refused them
 
 
+def _structure(out):
+    return [type(x).__name__ for x in out]
+
+
+# every architecture (the cache rule is its decoder's) on one backend, the others on qwen2: the
+# tuple is built around the kernel's loss, whichever backend computed it
+TUPLE_CASES = [(m, BACKENDS[0]) for m in arch_table.SUPPORTED] + [("qwen2", b) for b in BACKENDS[1:]]
+
+
+@pytest.mark.parametrize("model_type,backend", TUPLE_CASES)
+def test_return_dict_false_matches_eager_positions(model_type, backend):
+    # eager's tuple drops None fields: (loss, logits[, cache][, hidden_states][, attentions]).
+    # Patched: the same length and positions, logits (and a cache forge did not build) None
+    model = build_model(model_type)
+    ids, labels = ids_labels(model)
+    cases = [{"output_hidden_states": True, "output_attentions": True}, {"use_cache": False}, {}]
+
+    def outputs():
+        got = [model(ids, labels=labels, return_dict=False, **kw) for kw in cases[:-1]]
+        model.activation_checkpointing_enable()  # the last case: eager then builds no cache
+        got.append(model(ids, labels=labels, return_dict=False))
+        model.activation_checkpointing_disable()
+        return got
+
+    eager = outputs()
+    need(backend)
+    forge.patch(model, backend=backend, kernels=["fused_linear_ce"])
+    patched = outputs()
+    assert model._forge_guard_stats.fused("fused_linear_ce") == len(cases)
+    for kw, e, p in zip(cases, eager, patched):
+        assert len(p) == len(e), (kw, _structure(e), _structure(p))
+        assert p[0].dim() == 0 and p[0].requires_grad and p[1] is None, (kw, _structure(p))
+        for i, (x, y) in enumerate(zip(e[2:], p[2:]), 2):
+            if isinstance(x, tuple):  # hidden states / attentions: the decoder ran as eager's
+                assert len(x) == len(y) and all(torch.equal(a, b) for a, b in zip(x, y)), (kw, i)
+            else:  # the KV cache eager builds and forge skips (use_cache not asked for)
+                assert type(x).__name__.endswith("Cache") and y is None, (kw, i, _structure(p))
+    d = model(ids, labels=labels, use_cache=False)
+    assert torch.equal(d.loss, patched[1][0]) and d.logits is None
+    assert len(d.to_tuple()) == 2 and d.to_tuple()[1] is None and d[1] is None  # (loss, None)
+
+
 # ------------------------------------------------------------------ the H200: a device-side assert
 
 _CHILD = """
