@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import BackendUnavailableError, UnsupportedModelError  # noqa: E402
+from .errors import BackendUnavailableError, LabelDtypeError, UnsupportedModelError  # noqa: E402
 
 # Per-call guard defaults: the activation elements (rows x width) from which a shape-sensitive
 # call (rmsnorm, swiglu, geglu, rope) is fused; smaller calls run the original forward. Per
@@ -67,8 +67,11 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     ``model._forge_guard_stats`` (fused / fallback calls per key; ``.reset()``). The fused loss
     runs when the model is in training mode (``model.train()``) and called with ``labels``: it
     returns ``loss`` with ``logits=None`` (and asks the decoder for no KV cache unless ``use_cache``
-    is passed); otherwise (eval, no labels, ``generate()``) logits come out as before. Patching
-    again with the same arguments is a no-op.
+    is passed); with ``return_dict=False`` its tuple has eager's length and positions, None where
+    eager has logits (and a cache the fused path did not build). Labels must be int64, each in
+    [0, vocab) or -100, as eager's loss requires (docs/fused_linear_ce.md). Otherwise (eval, no
+    labels, ``generate()``) logits come out as before. Patching again with the same arguments is
+    a no-op.
     """
     from .patching.core import patch as _patch
 
@@ -85,6 +88,7 @@ def unpatch(model):
 
 __all__ = [
     "BackendUnavailableError",
+    "LabelDtypeError",
     "MIN_FUSED_ELEMENTS",
     "NEVER",
     "UnsupportedModelError",

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._gated_mlp import _any_autocast
+from ..spec.fused_linear_ce import check_labels
 from .guard import CAPTURE
 
 
@@ -145,9 +146,51 @@ def rope_function(kernel, orig, threshold, ks):
     return apply_rotary_pos_emb
 
 
-def fused_ce_forward(kernel, inner, softcap_attr, ks):
+@functools.cache
+def _fused_output_types():
+    """The fused loss's outputs: CausalLMOutputWithPast (isinstance holds) whose ``to_tuple``
+    keeps eager's positions. HF's ``to_tuple`` (what ``return_dict=False`` returns, and what an
+    int index reads) drops every None field, so eager's tuple is ``(loss, logits[, cache]
+    [, hidden_states][, attentions])`` and the plain output's would be ``(loss, ...)``: the
+    logits slot goes missing and everything after it moves up. These keep None in the logits
+    slot and, in the second type, in the cache slot too, for a call where eager would have
+    built a KV cache and the fused path did not (no ``use_cache`` given). Same length, same
+    positions; only the values forge never computes are None."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    class FusedLossOutput(CausalLMOutputWithPast):
+        _empty_slots = (None,)  # logits
+
+        def to_tuple(self):
+            t = super().to_tuple()  # (loss, [cache], [hidden_states], [attentions])
+            return t[:1] + self._empty_slots + t[1:]
+
+    class FusedLossOutputNoCache(FusedLossOutput):
+        _empty_slots = (None, None)  # logits, the cache eager builds
+
+    return FusedLossOutput, FusedLossOutputNoCache
+
+
+def _eager_builds_cache(decoder) -> bool:
+    """Whether HF's decoder, given no ``use_cache``, returns a KV cache: the config's use_cache,
+    turned off under gradient checkpointing in training with autograd on (transformers'
+    ``merge_with_config_defaults``; tests/test_flce_contract.py compares with eager's tuple)."""
+    if not getattr(decoder.config, "use_cache", False):
+        return False
+    return not (getattr(decoder, "gradient_checkpointing", False) and decoder.training
+                and torch.is_grad_enabled())
+
+
+def fused_ce_forward(kernel, inner, softcap_attr, ks):
+    """The CausalLM forward of the fused loss (training with labels): the decoder, then the
+    lm_head and the loss in one kernel call, ``logits=None``. Labels are checked for their dtype
+    before the decoder runs (eager's loss refuses int32 only after it); their range is checked
+    by the kernel's entry (forge.spec.fused_linear_ce.check_label_range). The decoder is asked
+    for no KV cache unless the caller passes ``use_cache``; with ``return_dict=False`` the tuple
+    still has eager's length and positions (``_fused_output_types``)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    output_types = _fused_output_types()
     sig = inspect.signature(inner)
     params = list(sig.parameters.values())[1:]  # minus self
     varkw = next((q.name for q in params if q.kind is q.VAR_KEYWORD), None)
@@ -170,18 +213,22 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
                 ks.fallback += 1
             return inner(self, *args, **kwargs)
         extra = dict(a.get(varkw) or {}) if varkw else {}
-        # the decoder gets what HF's forward passes it: every named input but the two consumed
-        # here, plus the extra kwargs (HF passes num_items_in_batch etc. to both)
-        model_kwargs = {n: a[n] for n in named if n in a and n not in ("labels", "logits_to_keep")}
-        model_kwargs.update(extra)
-        if "use_cache" in named and "use_cache" not in a:
-            model_kwargs["use_cache"] = False  # a loss without logits has no use for a KV cache
-        outputs = getattr(self, self.base_model_prefix)(**model_kwargs)
-        hidden = outputs.last_hidden_state  # (B, S, H)
         ignore_index = extra.get("ignore_index", -100)
         shift = extra.get("shift_labels")
         if shift is None:  # HF's ForCausalLMLoss: position t predicts label t + 1
             shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        check_labels(shift)
+        # the decoder gets what HF's forward passes it: every named input but the two consumed
+        # here, plus the extra kwargs (HF passes num_items_in_batch etc. to both)
+        model_kwargs = {n: a[n] for n in named if n in a and n not in ("labels", "logits_to_keep")}
+        model_kwargs.update(extra)
+        decoder = getattr(self, self.base_model_prefix)
+        out_type = output_types[0]
+        if "use_cache" in named and "use_cache" not in a:
+            model_kwargs["use_cache"] = False  # a loss without logits has no use for a KV cache
+            out_type = output_types[_eager_builds_cache(decoder)]
+        outputs = decoder(**model_kwargs)
+        hidden = outputs.last_hidden_state  # (B, S, H)
         lm = self.lm_head
         h = hidden.reshape(-1, hidden.shape[-1])  # (B*S, H)
         if h.dtype != w.dtype:  # autocast over fp32 weights: compute in fp32, at least as exact
@@ -191,6 +238,6 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
                       num_items_in_batch=extra.get("num_items_in_batch"), softcap=softcap)
         if not _compiling():
             ks.fused += 1
-        return CausalLMOutputWithPast(loss=loss, logits=None, **{f: getattr(outputs, f, None) for f in passthrough})
+        return out_type(loss=loss, logits=None, **{f: getattr(outputs, f, None) for f in passthrough})
 
     return forward

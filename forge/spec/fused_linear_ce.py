@@ -14,8 +14,10 @@ The loss is a 0-dim fp32 tensor (fp64 for fp64 inputs). A batch whose labels are
 gives exactly what torch gives: NaN for "mean" (0 / 0), 0 for "sum", and zero gradients.
 ``num_items_in_batch`` follows Hugging Face's ``fixed_cross_entropy``: with it the sum is divided
 by it instead of by the count (gradient accumulation); it may be an int or a 0-dim tensor.
-Labels outside ``[0, V)`` other than ``ignore_index`` are an error here; the kernels cannot
-check them without a host sync and leave the loss undefined for them.
+Labels follow eager ``F.cross_entropy`` (``check_labels``, ``check_label_range``): int64 only
+(eager refuses int32 too), each in ``[0, V)`` or equal to ``ignore_index``. An out-of-range label
+is an IndexError naming it on the CPU and a device-side assert elsewhere, as in torch's own
+kernels: checked on the device, with no host sync (docs/fused_linear_ce.md).
 
 Gradients (the kernels' backward), per row i with p = softmax(z_i), y the label, eps the
 smoothing, s = 1/divisor, t = 1 for valid rows and 0 for ignored ones::
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import LabelDtypeError
 from . import _check
 
 REDUCTIONS = ("mean", "sum")
@@ -45,10 +48,7 @@ def check(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="me
     if weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has width {weight.shape[1]} but hidden has width {hidden.shape[1]}")
     _check.same_dtype("hidden", hidden, "weight", weight)
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"labels must be int64 or int32, got {labels.dtype}")
+    check_labels(labels)
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must have shape ({hidden.shape[0]},) to match hidden's rows, "
                          f"got {tuple(labels.shape)}")
@@ -81,6 +81,36 @@ def check(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="me
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if not (isinstance(z_loss, int | float) and z_loss >= 0.0):
         raise ValueError(f"z_loss must be a non-negative number, got {z_loss!r}")
+    check_label_range(labels, weight.shape[0], ignore_index)
+
+
+def check_labels(labels) -> None:
+    """An int64 tensor, or LabelDtypeError (a TypeError and, as eager's, a RuntimeError). Eager
+    ``F.cross_entropy`` takes int64 and uint8 class indices and refuses int32 and the rest; uint8
+    is refused here too: it cannot hold a negative ignore_index, nor any LM's vocabulary."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype is not torch.int64:
+        raise LabelDtypeError(f"labels must be int64 (torch.long) class indices, as F.cross_entropy "
+                              f"requires, got {labels.dtype}; convert them with labels.long()")
+
+
+def check_label_range(labels, vocab: int, ignore_index: int) -> None:
+    """Every label in [0, vocab) or equal to ignore_index. On the CPU an IndexError naming the
+    first bad label, as eager's. On other devices ``torch._assert_async``: a device-side assert
+    like the one torch's own CUDA loss kernels raise, queued with no host sync (a few tiny
+    launches over N labels); it surfaces at the next call that synchronises and, as torch's,
+    leaves the CUDA context unusable. The kernels must never see such a label: they would give
+    a finite but meaningless loss (and the Pallas path narrows labels to int32 without x64)."""
+    ok = ((labels >= 0) & (labels < vocab)) | (labels == ignore_index)  # (N,)
+    if labels.device.type != "cpu":
+        torch._assert_async(ok.all(), f"fused_linear_ce: a label is out of bounds: labels must be "
+                                      f"in [0, {vocab}) or ignore_index={ignore_index}")
+    elif not bool(ok.all()):
+        bad = labels[~ok]
+        raise IndexError(f"label {int(bad[0])} is out of bounds for vocabulary size {vocab} (labels "
+                         f"must be in [0, {vocab}) or ignore_index={ignore_index}; {bad.numel()} "
+                         f"bad label(s))")
 
 
 def divisor(labels, ignore_index, reduction, num_items_in_batch, dtype, device):
@@ -106,11 +136,7 @@ def reference(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction
     z = F.linear(hidden.to(acc), weight.to(acc), None if bias is None else bias.to(acc))  # (N, V)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    labels = labels.long()
     valid = labels != ignore_index
-    bad = valid & ((labels < 0) | (labels >= weight.shape[0]))
-    if labels.device.type == "cpu" and bool(bad.any()):
-        raise ValueError(f"labels must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
     ce = F.cross_entropy(z, labels, ignore_index=ignore_index, reduction="none",
                          label_smoothing=float(label_smoothing))  # (N,), 0 on ignored rows
     if z_loss:
