@@ -85,10 +85,11 @@ def _masks(arrays, drops):
 
 
 def _drop(t, keep, scale):
-    """Dropout with a given mask (lora_dropout.apply): t * scale where kept, 0 elsewhere."""
+    """Dropout with a given mask (lora_dropout.apply): t * scale where kept, 0 elsewhere. A
+    product, as torch's dropout, and of primitives the native launch translates (no select)."""
     if keep is None:
         return t
-    return jnp.where(keep != 0, t * scale, jnp.zeros((), t.dtype))
+    return t * (keep.astype(t.dtype) * scale)
 
 
 def _adapter_in(x, a_list, rp, keeps, drops):

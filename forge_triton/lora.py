@@ -122,7 +122,7 @@ def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, 
     offs = rm[:, None] * N + rn[None, :]
     if DROP:  # the adapter saw drop(h): its gradient reaches h only where h was kept
         keep = tl.load(keep_ptr + offs, mask=mask, other=0)
-        lo = tl.where(keep != 0, lo * drop_scale, 0.0)
+        lo = lo * (keep.to(ACC) * drop_scale)  # a product, as torch's dropout
     dt = dh_ptr.dtype.element_ty
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(ACC) + lo
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(ACC)

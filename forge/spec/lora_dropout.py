@@ -7,7 +7,7 @@ The fused kernels take that mask as an argument instead of drawing it, per proje
     mask_p: bool, the shape of the projection's input, True where an element is kept
     dropout_p: float in [0, 1], the probability the mask was drawn with
 
-    dropped = torch.where(mask_p, x.to(a_p.dtype) * (1 / (1 - dropout_p)), 0)   # = apply(...)
+    dropped = x.to(a_p.dtype) * mask_p * (1 / (1 - dropout_p))   # = apply(x.to(a_p.dtype), mask_p, dropout_p)
     lora_p  = F.linear(F.linear(dropped, a_p), b_p) * scale_p
 
 ``mask_p=None`` means no dropout (``dropout_p`` must then be 0): the kernels take exactly the
@@ -43,7 +43,7 @@ def apply(t: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
     backward of dropout (the same map on the gradient)."""
     if mask is None:
         return t
-    return torch.where(mask, t * scale(p), 0)
+    return torch.mul(t, mask).mul_(scale(p))  # a product, as torch's dropout: NaN stays NaN
 
 
 def check(name: str, mask, p, shape, device, of: str) -> None:
