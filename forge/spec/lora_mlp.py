@@ -21,14 +21,15 @@ Equivalent torch (``project`` is one peft LoRA linear, see ``forge.spec.lora_qkv
     h = act(g) * u                                                     # (..., I), x.dtype
     y = project(h, w_down, None, a_down, b_down, scale_down, mask_down, dropout_down)  # (..., H)
 
-Kernels save x, g, u, the masks and the rank-r products x a^T and h a_down^T (of the dropped
-inputs), and recompute act(g), h and the dropped inputs in backward. Gradients flow to x and to every a and b; base weights are frozen (ValueError if
-one requires grad while grad is enabled). Backward, with dy the output gradient::
+Kernels save x, g, u, the masks and the rank-r products xa_p = drop_p(x) a_p^T and
+ha = drop_down(h) a_down^T, and recompute act(g), h and the dropped inputs in backward. Gradients flow to x and to
+every a and b; base weights are frozen (ValueError if one requires grad while grad is enabled).
+Backward, with dy the output gradient::
 
-    dh_a  = scale_down * dy b_down               (M, r)     d b_down = scale_down * dy^T (h a_down^T)
+    dh_a  = scale_down * dy b_down               (M, r)     d b_down = scale_down * dy^T ha
     dh    = dy w_down + drop_down(dh_a a_down)   (M, I)     d a_down = dh_a^T drop_down(h)
     dg    = dh * u * act'(g);   du = dh * act(g)             (act' as in the swiglu / geglu specs)
-    dxa_p = scale_p * dp b_p  (p = gate, up)     d b_p = scale_p * dp^T (xa_p);  d a_p = dxa_p^T drop_p(x)
+    dxa_p = scale_p * dp b_p  (p = gate, up)     d b_p = scale_p * dp^T xa_p;  d a_p = dxa_p^T drop_p(x)
     dx    = dg w_gate + du w_up + drop_gate(dxa_gate a_gate) + drop_up(dxa_up a_up)   accumulated once
 
 (drop_p: lora_dropout.apply with mask_p, the identity without a mask)
