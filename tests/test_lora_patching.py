@@ -204,8 +204,8 @@ def test_lora_dropout_matches_peft(model_type, backend, device, monkeypatch):
     k = max(pm.config.vocab_size, pm.config.intermediate_size, ids.numel())
     for name, e, x in [("loss", eager[0], r[0])] + [(n, eager[1][n], r[1][n]) for n in r[1]]:
         # the reference drew peft's masks (else the oracle's bound, 2x eager's error, is void):
-        # fp32 rounding is a few atol; another mask would be off by orders of magnitude more
-        assert tolerance.rel_err(e, x) <= 10 * tolerance.atol(torch.float32, k), name
+        # fp32 rounding is ~1e-6 here; masks drawn in another order were off by ~1e-2
+        assert tolerance.rel_err(e, x) <= 100 * tolerance.atol(torch.float32, k), name
     forge.patch(pm, backend=backend, kernels=LORA)
     n = pm.config.num_hidden_layers
     assert pm._forge_patched_counts == {"lora_qkv": n, "lora_mlp": n}, pm._forge_skipped
