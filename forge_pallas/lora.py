@@ -13,6 +13,12 @@ columns contribute exact zeros.
 Rounding follows eager peft + Hugging Face: the LoRA path runs in the adapter dtype (fp32
 adapters on a bf16 model stay fp32), g and u are rounded to x's dtype before act, act(g) before
 the product.
+
+peft's lora_dropout arrives as one uint8 keep-mask per projection, after the weights, with the
+static ``drops`` holding each projection's scale 1 / (1 - p) (None: no mask; forge/spec/
+lora_dropout.py has the math). A masked projection's down-projection and its gradients read
+the dropped-out input, recomputed from x and the mask in backward; the down adapter's mask is
+applied to its term of dh inside ``_lora_glu_bwd_kernel``. Without masks nothing changes.
 """
 from __future__ import annotations
 
@@ -72,6 +78,38 @@ def _round(v, dtype, acc):
     return v.astype(dtype).astype(acc)
 
 
+def _masks(arrays, drops):
+    """The keep-masks in projection order, None where ``drops`` has no scale."""
+    it = iter(arrays)
+    return tuple(None if d is None else next(it) for d in drops)
+
+
+def _drop(t, keep, scale):
+    """Dropout with a given mask (lora_dropout.apply): t * scale where kept, 0 elsewhere. A
+    product, as torch's dropout, and of primitives the native launch translates (no select)."""
+    if keep is None:
+        return t
+    return t * (keep.astype(t.dtype) * scale)
+
+
+def _adapter_in(x, a_list, rp, keeps, drops):
+    """(M, n RP) x a_p^T for n adapters reading x, each zero-padded to RP columns; one dot unless
+    an adapter has dropout (each then reads its own dropped-out x)."""
+    ldt = a_list[0].dtype
+    xl = x.astype(ldt)
+    padded = [_pad_rows(a, rp) for a in a_list]
+    if all(k is None for k in keeps):
+        return _dot(xl, jnp.concatenate(padded), ((1,), (1,))).astype(ldt)
+    return jnp.concatenate([_dot(_drop(xl, k, d), a, ((1,), (1,))).astype(ldt)
+                            for a, k, d in zip(padded, keeps, drops)], axis=1)
+
+
+def _masked_dx(dxa, a_list, keeps, drops):
+    """sum_p drop_p(dxa_p a_p), the adapters' path of d x when some have dropout: per adapter
+    (each its own mask), in the adapter dtype with fp32+ accumulation."""
+    return sum(_drop(_dot(d, a), k, s) for d, a, k, s in zip(dxa, a_list, keeps, drops))
+
+
 # out (M, N) = base + bias + scale * xa[:, col:col+rp] b^T, written over base
 def _lora_add_kernel(base_ref, bias_ref, xa_ref, b_ref, o_ref, *, col, rp, scale, has_bias):
     m, n = base_ref.shape
@@ -112,15 +150,20 @@ def _lora_glu_fwd_kernel(g_ref, u_ref, xa_ref, bg_ref, bu_ref, go_ref, uo_ref, h
     C.store(h_ref.at[rs, cs], (_round(a, dt, acc) * u).astype(dt), mask=mask)
 
 
-# dh = dh_base + dha @ A_down (dha = s_down dy B_down, A_down^T zero-padded to (I, RP));
+# dh = dh_base + drop(dha @ A_down) (dha = s_down dy B_down, A_down^T zero-padded to (I, RP); drop
+# the down adapter's dropout when drop_scale is set, keep-mask in keep_ref);
 # h = act(g) * u  =>  dg = dh * u * act'(g),  du = dh * act(g); h recomputed over dh_base
-def _lora_glu_bwd_kernel(dh_ref, g_ref, u_ref, dha_ref, adt_ref, dg_ref, du_ref, h_ref, *, rp, gelu):
+def _lora_glu_bwd_kernel(dh_ref, g_ref, u_ref, dha_ref, adt_ref, keep_ref, dg_ref, du_ref, h_ref, *, rp, gelu,
+                         drop_scale):
     m, n = g_ref.shape
     dt = g_ref.dtype
     acc = C.acc_dtype(dt)
     rs, cs, rmask, cmask, mask = _tile(pl.program_id(0), pl.program_id(1), m, n)
     dh = C.load(dh_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
-    dh = dh + _lowrank(dha_ref, adt_ref, rs, cs, rmask, cmask, 0, rp, acc)
+    lo = _lowrank(dha_ref, adt_ref, rs, cs, rmask, cmask, 0, rp, acc)
+    if drop_scale is not None:  # the adapter saw drop(h): its gradient reaches h only where kept
+        lo = _drop(lo, C.load(keep_ref.at[rs, cs], mask=mask, other=0), drop_scale)
+    dh = dh + lo
     g = C.load(g_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
     u = C.load(u_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
     a, da = _glu_act(g, "geglu" if gelu else "swiglu")
@@ -153,21 +196,27 @@ def _unpack_qkv(inputs, has_bias):
     return x, projs
 
 
-def lora_qkv_fwd(*inputs, scales, has_bias):
-    """x (M, H), then per projection w, [bias,] a, b -> ((q, k, v), (xa,)); xa (M, 3 RP) padded."""
-    x, projs = _unpack_qkv(inputs, has_bias)
+def _split_qkv(inputs, has_bias, drops):
+    n = 1 + PROJ * (4 if has_bias else 3)
+    return (*_unpack_qkv(inputs[:n], has_bias), _masks(inputs[n:], drops))
+
+
+def lora_qkv_fwd(*inputs, scales, has_bias, drops=(None,) * PROJ):
+    """x (M, H), per projection w, [bias,] a, b, then the keep-masks (M, H) of the projections
+    with a scale in ``drops`` -> ((q, k, v), (xa,)); xa (M, 3 RP) padded."""
+    x, projs, keeps = _split_qkv(inputs, has_bias, drops)
     rp = _padded_rank(max(p[2].shape[0] for p in projs))
-    ldt = projs[0][2].dtype
-    a_cat = jnp.concatenate([_pad_rows(a, rp) for _, _, a, _ in projs])  # (3 RP, H)
-    xa = _dot(x.astype(ldt), a_cat, ((1,), (1,))).astype(ldt)  # (M, 3 RP): x read once for all three
+    # (M, 3 RP); without dropout x is read once for all three
+    xa = _adapter_in(x, [a for _, _, a, _ in projs], rp, keeps, drops)
     outs = tuple(lora_add(_base(x, w), bias, xa, _pad_cols(b, rp), col=i * rp, scale=s)
                  for i, ((w, bias, _, b), s) in enumerate(zip(projs, scales)))
     return outs, (xa,)
 
 
-def lora_qkv_bwd(inputs, res, grads, *, scales, has_bias, needs):
-    """-> one gradient per input: x, then per projection None (w), [None (bias),] d a, d b."""
-    x, projs = _unpack_qkv(inputs, has_bias)
+def lora_qkv_bwd(inputs, res, grads, *, scales, has_bias, needs, drops=(None,) * PROJ):
+    """-> one gradient per input: x, then per projection None (w), [None (bias),] d a, d b, then
+    None per mask."""
+    x, projs, keeps = _split_qkv(inputs, has_bias, drops)
     (xa,) = res
     rp = xa.shape[1] // PROJ
     ldt = xa.dtype
@@ -181,41 +230,48 @@ def lora_qkv_bwd(inputs, res, grads, *, scales, has_bias, needs):
         dxa_p = (s * _dot(gl, b)).astype(ldt)  # (M, r) = s g_p B_p
         dxa.append(dxa_p)
         na, nb = needs[1 + i * step + step - 2], needs[1 + i * step + step - 1]
-        da = _dot(dxa_p, x.astype(ldt), ((0,), (0,))).astype(ldt) if na else None  # (r, H)
+        da = _dot(dxa_p, _drop(x.astype(ldt), keeps[i], drops[i]), ((0,), (0,))).astype(ldt) if na else None
         db = (s * _dot(gl, xa_p, ((0,), (0,)))).astype(ldt) if nb else None  # (N_p, r)
         out += [None, None, da, db] if has_bias else [None, da, db]
         if needs[0]:
             t = _dot(g, w)  # (M, H) base path g_p w_p, fp32 accumulation across the three
             dx = t if dx is None else dx + t
     if needs[0]:
-        a_cat = jnp.concatenate([p[2] for p in projs]).astype(x.dtype)  # (R, H)
-        dx = (dx + _dot(jnp.concatenate(dxa, axis=1).astype(x.dtype), a_cat)).astype(x.dtype)
-    return (dx, *out)
+        if all(k is None for k in keeps):
+            a_cat = jnp.concatenate([p[2] for p in projs]).astype(x.dtype)  # (R, H)
+            dx = dx + _dot(jnp.concatenate(dxa, axis=1).astype(x.dtype), a_cat)
+        else:
+            dx = dx + _masked_dx(dxa, [p[2] for p in projs], keeps, drops)
+        dx = dx.astype(x.dtype)
+    return (dx, *out, *(None for d in drops if d is not None))
 
 
 # ---------------------------------------------------------------------------------------- mlp
-def lora_mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, *, scales, gelu):
-    """x (M, H) and the nine weights -> ((y,), (g, u, xa, ha)); g, u (M, I) pre-activations."""
+def lora_mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, *masks, scales, gelu,
+                 drops=(None,) * 3):
+    """x (M, H), the nine weights, the keep-masks of gate, up ((M, H)) and down ((M, I)) that have a
+    scale in ``drops`` -> ((y,), (g, u, xa, ha)); g, u (M, I) pre-activations."""
     s_g, s_u, s_d = scales
+    k_g, k_u, k_d = _masks(masks, drops)
     m, inter = x.shape[0], w_gate.shape[0]
     ldt = a_gate.dtype
     rp = _padded_rank(max(a_gate.shape[0], a_up.shape[0]))
-    a_gu = jnp.concatenate([_pad_rows(a_gate, rp), _pad_rows(a_up, rp)])  # (2 RP, H)
-    xa = _dot(x.astype(ldt), a_gu, ((1,), (1,))).astype(ldt)  # (M, 2 RP)
+    xa = _adapter_in(x, [a_gate, a_up], rp, (k_g, k_u), drops[:2])  # (M, 2 RP)
     kern = functools.partial(_lora_glu_fwd_kernel, rp=rp, scale_g=float(s_g), scale_u=float(s_u), gelu=gelu)
     sds = jax.ShapeDtypeStruct((m, inter), x.dtype)
     g, u, h = _launch(kern, name="lora_glu_fwd", grid=(C.cdiv(m, BLOCK_M), C.cdiv(inter, BLOCK_N)),
                       out_shape=(sds, sds, sds), aliases={0: 0, 1: 1})(
         _base(x, w_gate), _base(x, w_up), xa, _pad_cols(b_gate, rp), _pad_cols(b_up, rp))
     rpd = _padded_rank(a_down.shape[0])
-    ha = _dot(h.astype(ldt), _pad_rows(a_down, rpd), ((1,), (1,))).astype(ldt)  # (M, RPd)
+    ha = _dot(_drop(h.astype(ldt), k_d, drops[2]), _pad_rows(a_down, rpd), ((1,), (1,))).astype(ldt)  # (M, RPd)
     y = lora_add(_base(h, w_down), None, ha, _pad_cols(b_down, rpd), col=0, scale=s_d)
     return (y,), (g, u, xa, ha)
 
 
-def lora_mlp_bwd(inputs, res, grads, *, scales, gelu, needs):
-    """-> (dx, None, d a_gate, d b_gate, None, d a_up, d b_up, None, d a_down, d b_down)."""
-    x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down = inputs
+def lora_mlp_bwd(inputs, res, grads, *, scales, gelu, needs, drops=(None,) * 3):
+    """-> (dx, None, d a_gate, d b_gate, None, d a_up, d b_up, None, d a_down, d b_down, None per mask)."""
+    x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down = inputs[:10]
+    k_g, k_u, k_d = _masks(inputs[10:], drops)
     g, u, xa, ha = res
     (dy,) = grads
     s_g, s_u, s_d = scales
@@ -226,24 +282,30 @@ def lora_mlp_bwd(inputs, res, grads, *, scales, gelu, needs):
     dyl = dy.astype(ldt)
     dha = (s_d * _dot(dyl, _pad_cols(b_down, rpd))).astype(ldt)  # (M, RPd), padded columns zero
     d_b_down = (s_d * _dot(dyl, ha[:, :r_d], ((0,), (0,)))).astype(ldt) if needs[9] else None  # (H, r)
-    kern = functools.partial(_lora_glu_bwd_kernel, rp=rpd, gelu=gelu)
+    kern = functools.partial(_lora_glu_bwd_kernel, rp=rpd, gelu=gelu, drop_scale=drops[2])
     sds = jax.ShapeDtypeStruct((m, inter), g.dtype)
     dg, du, h = _launch(kern, name="lora_glu_bwd", grid=(C.cdiv(m, BLOCK_M), C.cdiv(inter, BLOCK_N)),
                         out_shape=(sds, sds, sds), aliases={0: 2})(
-        _dot(dy, w_down).astype(g.dtype), g, u, dha, _pad_rows(a_down, rpd).T)
-    d_a_down = _dot(dha[:, :r_d], h.astype(ldt), ((0,), (0,))).astype(ldt) if needs[8] else None  # (r, I)
+        _dot(dy, w_down).astype(g.dtype), g, u, dha, _pad_rows(a_down, rpd).T,
+        jnp.zeros((1, 1), jnp.uint8) if k_d is None else k_d)
+    hd = _drop(h.astype(ldt), k_d, drops[2])
+    d_a_down = _dot(dha[:, :r_d], hd, ((0,), (0,))).astype(ldt) if needs[8] else None  # (r, I)
     dgl, dul = dg.astype(ldt), du.astype(ldt)
     dxa_g = (s_g * _dot(dgl, b_gate)).astype(ldt)  # (M, r_g)
     dxa_u = (s_u * _dot(dul, b_up)).astype(ldt)
     d_b_gate = (s_g * _dot(dgl, xa[:, :r_g], ((0,), (0,)))).astype(ldt) if needs[3] else None
     d_b_up = (s_u * _dot(dul, xa[:, rp:rp + r_u], ((0,), (0,)))).astype(ldt) if needs[6] else None
     xl = x.astype(ldt)
-    d_a_gate = _dot(dxa_g, xl, ((0,), (0,))).astype(ldt) if needs[2] else None
-    d_a_up = _dot(dxa_u, xl, ((0,), (0,))).astype(ldt) if needs[5] else None
+    d_a_gate = _dot(dxa_g, _drop(xl, k_g, drops[0]), ((0,), (0,))).astype(ldt) if needs[2] else None
+    d_a_up = _dot(dxa_u, _drop(xl, k_u, drops[1]), ((0,), (0,))).astype(ldt) if needs[5] else None
     dx = None
     if needs[0]:
         dx = _dot(dg, w_gate) + _dot(du, w_up)  # (M, H), fp32 accumulation of all four terms
         dt = x.dtype
-        dx = dx + _dot(dxa_g.astype(dt), a_gate.astype(dt)) + _dot(dxa_u.astype(dt), a_up.astype(dt))
-        dx = dx.astype(x.dtype)
-    return (dx, None, d_a_gate, d_b_gate, None, d_a_up, d_b_up, None, d_a_down, d_b_down)
+        if k_g is None and k_u is None:
+            dx = dx + _dot(dxa_g.astype(dt), a_gate.astype(dt)) + _dot(dxa_u.astype(dt), a_up.astype(dt))
+        else:
+            dx = dx + _masked_dx([dxa_g, dxa_u], [a_gate, a_up], (k_g, k_u), drops[:2])
+        dx = dx.astype(dt)
+    return (dx, None, d_a_gate, d_b_gate, None, d_a_up, d_b_up, None, d_a_down, d_b_down,
+            *(None for d in drops if d is not None))

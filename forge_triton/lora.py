@@ -11,6 +11,11 @@ backward. grad_x is accumulated once by chained ``addmm_`` (cuBLAS beta = 1).
 
 Adapter weights may have another dtype than x (peft keeps them in fp32 for bf16 models): the
 LoRA path runs in the adapter dtype, as peft's does. Base weights and biases are frozen.
+
+peft's lora_dropout comes in as one bool mask per projection (forge/spec/lora_dropout.py). With
+a mask, that projection's down-projection and its gradients read the dropped-out input, which is
+recomputed from x and the mask in backward (the mask is all that is kept); the down adapter's
+mask is applied inside ``_lora_glu_bwd_kernel``. Without masks the code paths are unchanged.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from forge.spec import lora_dropout as drop_spec
 from forge.spec import lora_mlp as mlp_spec
 from forge.spec import lora_qkv as qkv_spec
 
@@ -99,13 +105,14 @@ def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G,
     tl.store(h_ptr + offs, cast(cast(a, dt).to(ACC) * u.to(ACC), dt), mask=mask)
 
 
-# dh = dh_base + dha @ A_down with dh_base = dy W_down in dh_ptr and dha = scale_down * dy B_down;
+# dh = dh_base + drop(dha @ A_down) with dh_base = dy W_down in dh_ptr, dha = scale_down * dy B_down
+# and drop the down adapter's dropout (DROP: keep-mask in keep_ptr, kept elements times drop_scale);
 # then h = act(g) * u  =>  dg = dh * u * act'(g),  du = dh * act(g). h is recomputed (for
-# d A_down = dha^T h) and written over dh_ptr, which is not needed afterwards.
+# d A_down = dha^T drop(h)) and written over dh_ptr, which is not needed afterwards.
 @triton.jit
-def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, M, N, K,
+def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, keep_ptr, drop_scale, M, N, K,
                          s_dm, s_dk, s_ak, s_an,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DROP: tl.constexpr,
                          GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,6 +120,9 @@ def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, 
                        BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None] * N + rn[None, :]
+    if DROP:  # the adapter saw drop(h): its gradient reaches h only where h was kept
+        keep = tl.load(keep_ptr + offs, mask=mask, other=0)
+        lo = lo * (keep.to(ACC) * drop_scale)  # a product, as torch's dropout
     dt = dh_ptr.dtype.element_ty
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(ACC) + lo
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(ACC)
@@ -147,6 +157,41 @@ def _rows(x):
     return x.reshape(-1, x.shape[-1])  # (M, H); copies only when x's strides demand it
 
 
+def _drop(masks, widths, ps):
+    """(masks as contiguous (M, width) rows, probabilities as floats): the Functions' last argument."""
+    return tuple(drop_spec.rows(m, w) for m, w in zip(masks, widths)), tuple(float(p) for p in ps)
+
+
+def _adapter_in(x2, a_list, masks, ps):
+    """x a^T for several adapters reading x, (M, sum r_p), in the adapter dtype: one GEMM when
+    none has dropout, else one per adapter on its dropped-out input."""
+    a_cat = torch.cat(a_list)  # (R, H)
+    xl = x2.to(a_cat.dtype)
+    if all(m is None for m in masks):
+        return xl @ a_cat.t(), a_cat
+    return torch.cat([drop_spec.apply(xl, m, p) @ a.t() for a, m, p in zip(a_list, masks, ps)], dim=1), a_cat
+
+
+def _adapter_grads(x2, dxa, a_cat, cuts, masks, ps):
+    """[d a_p] for adapters reading x: dxa_p^T drop_p(x); one GEMM for all when none has dropout."""
+    xl = x2.to(a_cat.dtype)
+    if all(m is None for m in masks):
+        ga = dxa.t() @ xl  # (R, H)
+        return [ga[cuts[i]:cuts[i + 1]] for i in range(len(masks))]
+    return [dxa[:, cuts[i]:cuts[i + 1]].t() @ drop_spec.apply(xl, m, p) for i, (m, p) in enumerate(zip(masks, ps))]
+
+
+def _add_adapter_dx_(gx, dxa, a_cat, cuts, masks, ps):
+    """gx (M, H) += sum_p drop_p(dxa_p a_p), the adapters' path of d x."""
+    if all(m is None for m in masks):
+        return gx.addmm_(dxa.to(gx.dtype), a_cat.to(gx.dtype))  # one cuBLAS call, beta = 1
+    lo = None  # with dropout each adapter has its own mask: summed in the adapter dtype, added once
+    for i, (m, p) in enumerate(zip(masks, ps)):
+        t = drop_spec.apply(dxa[:, cuts[i]:cuts[i + 1]] @ a_cat[cuts[i]:cuts[i + 1]], m, p)  # (M, H)
+        lo = t if lo is None else lo.add_(t)
+    return gx.add_(lo)
+
+
 # ---------------------------------------------------------------------------------------- qkv
 def _no_autocast(fn):
     """Run a Function's forward / backward with autocast off: the kernels compute in the dtypes
@@ -166,19 +211,20 @@ def _device_of(args) -> str:
 class LoraQKVFunction(torch.autograd.Function):
     @staticmethod
     @_no_autocast
-    def forward(ctx, x, scales, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v):
+    def forward(ctx, x, scales, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, drop):
+        masks, ps = drop  # (M, H) keep-masks (or None) and probabilities, q, k, v
         x2 = _rows(x)  # (M, H)
         ws, biases, bs = (w_q, w_k, w_v), (bias_q, bias_k, bias_v), (b_q, b_k, b_v)
-        a_cat = torch.cat((a_q, a_k, a_v))  # (r_q + r_k + r_v, H): one GEMM reads x once for all three
-        xa = x2.to(a_cat.dtype) @ a_cat.t()  # (M, R)
+        # (M, R), R = r_q + r_k + r_v: without dropout one GEMM reads x once for all three
+        xa, a_cat = _adapter_in(x2, (a_q, a_k, a_v), masks, ps)
         cuts = [0, a_q.shape[0], a_q.shape[0] + a_k.shape[0], a_cat.shape[0]]
         outs = []
         for i, (w, bias, b, s) in enumerate(zip(ws, biases, bs, scales)):
             base = F.linear(x2, w, bias)  # (M, N_p), cuBLAS with the bias in its epilogue
             lora_add_(base, xa[:, cuts[i]:cuts[i + 1]], b.t(), s)
             outs.append(base.view(*x.shape[:-1], w.shape[0]))
-        ctx.save_for_backward(x2, xa, a_cat, *ws, *bs)
-        ctx.scales, ctx.cuts, ctx.x_shape = scales, cuts, x.shape
+        ctx.save_for_backward(x2, xa, a_cat, *ws, *bs, *masks)
+        ctx.scales, ctx.cuts, ctx.x_shape, ctx.ps = scales, cuts, x.shape, ps
         ctx.set_materialize_grads(False)  # k or v may be unused; skip their terms
         return tuple(outs)
 
@@ -186,7 +232,7 @@ class LoraQKVFunction(torch.autograd.Function):
     @once_differentiable  # the Triton kernels are not differentiable themselves
     @_no_autocast
     def backward(ctx, gq, gk, gv):
-        x2, xa, a_cat, w_q, w_k, w_v, b_q, b_k, b_v = ctx.saved_tensors
+        x2, xa, a_cat, w_q, w_k, w_v, b_q, b_k, b_v, *masks = ctx.saved_tensors
         need = ctx.needs_input_grad
         ldt = a_cat.dtype
         grads_b = [None, None, None]
@@ -207,39 +253,41 @@ class LoraQKVFunction(torch.autograd.Function):
         dxa = torch.cat(dxa_parts, dim=1)  # (M, R)
         grads_a = [None, None, None]
         if any(need[4 + 4 * i] for i in range(3)):
-            ga = dxa.t() @ x2.to(ldt)  # (R, H): d A for all three in one GEMM
-            grads_a = [ga[ctx.cuts[i]:ctx.cuts[i + 1]] for i in range(3)]
+            grads_a = _adapter_grads(x2, dxa, a_cat, ctx.cuts, masks, ctx.ps)
         if need[0]:
             if gx is None:
                 gx = torch.zeros(x2.shape, dtype=x2.dtype, device=x2.device)
-            gx.addmm_(dxa.to(x2.dtype), a_cat.to(x2.dtype))  # LoRA path onto the same buffer
-            gx = gx.view(ctx.x_shape)
+            gx = _add_adapter_dx_(gx, dxa, a_cat, ctx.cuts, masks, ctx.ps).view(ctx.x_shape)  # same buffer
         return (gx, None, None, None, grads_a[0], grads_b[0], None, None, grads_a[1], grads_b[1],
-                None, None, grads_a[2], grads_b[2])
+                None, None, grads_a[2], grads_b[2], None)
 
 
 def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-             *, scale_q, scale_k, scale_v):
+             *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
+             dropout_q=0.0, dropout_k=0.0, dropout_v=0.0):
     """Triton LoRA q, k, v projections (forge.spec.lora_qkv) -> (q, k, v)."""
     qkv_spec.check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-                   scale_q=scale_q, scale_k=scale_k, scale_v=scale_v)
+                   scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, mask_q=mask_q, mask_k=mask_k,
+                   mask_v=mask_v, dropout_q=dropout_q, dropout_k=dropout_k, dropout_v=dropout_v)
     _common.check_device(x=x, w_q=w_q, a_q=a_q, b_q=b_q, w_k=w_k, a_k=a_k, b_k=b_k, w_v=w_v, a_v=a_v, b_v=b_v)
     qkv_spec.frozen(torch.is_grad_enabled(), w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
     scales = (float(scale_q), float(scale_k), float(scale_v))
-    return LoraQKVFunction.apply(x, scales, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v)
+    drop = _drop((mask_q, mask_k, mask_v), (x.shape[-1],) * 3, (dropout_q, dropout_k, dropout_v))
+    return LoraQKVFunction.apply(x, scales, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+                                 drop)
 
 
 # ---------------------------------------------------------------------------------------- mlp
 class LoraMLPFunction(torch.autograd.Function):
     @staticmethod
     @_no_autocast
-    def forward(ctx, x, scales, gelu, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down):
+    def forward(ctx, x, scales, gelu, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, drop):
         s_g, s_u, s_d = scales
+        (m_g, m_u, m_d), ps = drop  # keep-masks (M, H), (M, H), (M, I) or None; probabilities
         x2 = _rows(x)  # (M, H)
         m, inter, r, r_u = x2.shape[0], w_gate.shape[0], a_gate.shape[0], a_up.shape[0]
         ldt = a_gate.dtype
-        a_gu = torch.cat((a_gate, a_up))  # (r + r_u, H)
-        xa = x2.to(ldt) @ a_gu.t()  # (M, r + r_u)
+        xa, a_gu = _adapter_in(x2, (a_gate, a_up), (m_g, m_u), ps[:2])  # (M, r + r_u), (r + r_u, H)
         g = x2 @ w_gate.t()  # (M, I) base GEMMs; the kernel completes them in place
         u = x2 @ w_up.t()
         h = _common.empty((m, inter), x2.dtype, x2.device)
@@ -248,18 +296,19 @@ class LoraMLPFunction(torch.autograd.Function):
                 g, u, h, xa, b_gate, b_up, m, inter, r, r_u, s_g, s_u, xa.stride(0), xa.stride(1),
                 b_gate.stride(1), b_gate.stride(0), b_up.stride(1), b_up.stride(0),
                 GELU=gelu, **_consts(ldt, max(r, r_u), x2.dtype), num_warps=4)
-        ha = h.to(ldt) @ a_down.t()  # (M, r)
+        ha = drop_spec.apply(h.to(ldt), m_d, ps[2]) @ a_down.t()  # (M, r)
         y = h @ w_down.t()  # (M, H)
         lora_add_(y, ha, b_down.t(), s_d)
-        ctx.save_for_backward(x2, g, u, xa, ha, w_gate, w_up, w_down, a_gu, b_gate, b_up, a_down, b_down)
-        ctx.scales, ctx.gelu, ctx.x_shape = scales, gelu, x.shape
+        ctx.save_for_backward(x2, g, u, xa, ha, w_gate, w_up, w_down, a_gu, b_gate, b_up, a_down, b_down,
+                              m_g, m_u, m_d)
+        ctx.scales, ctx.gelu, ctx.x_shape, ctx.ps = scales, gelu, x.shape, ps
         return y.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
     @once_differentiable  # the Triton kernels are not differentiable themselves
     @_no_autocast
     def backward(ctx, dy):
-        x2, g, u, xa, ha, w_gate, w_up, w_down, a_gu, b_gate, b_up, a_down, b_down = ctx.saved_tensors
+        x2, g, u, xa, ha, w_gate, w_up, w_down, a_gu, b_gate, b_up, a_down, b_down, m_g, m_u, m_d = ctx.saved_tensors
         s_g, s_u, s_d = ctx.scales
         need = ctx.needs_input_grad
         m, inter, r = g.shape[0], g.shape[1], b_gate.shape[1]  # r: gate's rank
@@ -273,36 +322,41 @@ class LoraMLPFunction(torch.autograd.Function):
         du = _common.empty_like(u)
         if m and inter:
             _lora_glu_bwd_kernel[_grid(m, inter)](
-                dh, g, u, dg, du, dha, a_down, m, inter, r, dha.stride(0), dha.stride(1),
-                a_down.stride(0), a_down.stride(1), GELU=ctx.gelu, **_consts(ldt, a_down.shape[0], g.dtype),
+                dh, g, u, dg, du, dha, a_down, dha if m_d is None else m_d.view(torch.uint8),
+                drop_spec.scale(ctx.ps[2]), m, inter, r, dha.stride(0), dha.stride(1), a_down.stride(0),
+                a_down.stride(1), DROP=m_d is not None, GELU=ctx.gelu, **_consts(ldt, a_down.shape[0], g.dtype),
                 num_warps=4)
         h = dh
-        d_a_down = dha.t() @ h.to(ldt) if need[10] else None  # (r, I)
+        d_a_down = dha.t() @ drop_spec.apply(h.to(ldt), m_d, ctx.ps[2]) if need[10] else None  # (r, I)
         dgl, dul = dg.to(ldt), du.to(ldt)
         dxa = torch.cat(((dgl @ b_gate).mul_(s_g), (dul @ b_up).mul_(s_u)), dim=1)  # (M, r + r_u)
         d_b_gate = (dgl.t() @ xa[:, :r]).mul_(s_g) if need[5] else None  # (I, r)
         d_b_up = (dul.t() @ xa[:, r:]).mul_(s_u) if need[8] else None
+        cuts, masks = (0, r, a_gu.shape[0]), (m_g, m_u)
         d_a_gate = d_a_up = None
         if need[4] or need[7]:
-            d_a = dxa.t() @ x2.to(ldt)  # (r + r_u, H)
-            d_a_gate, d_a_up = d_a[:r], d_a[r:]
+            d_a_gate, d_a_up = _adapter_grads(x2, dxa, a_gu, cuts, masks, ctx.ps[:2])
         gx = None
         if need[0]:
             gx = dg @ w_gate  # (M, H): base and LoRA paths accumulated into one buffer
             gx.addmm_(du, w_up)
-            gx.addmm_(dxa.to(gx.dtype), a_gu.to(gx.dtype))
-            gx = gx.view(ctx.x_shape)
-        return (gx, None, None, None, d_a_gate, d_b_gate, None, d_a_up, d_b_up, None, d_a_down, d_b_down)
+            gx = _add_adapter_dx_(gx, dxa, a_gu, cuts, masks, ctx.ps[:2]).view(ctx.x_shape)
+        return (gx, None, None, None, d_a_gate, d_b_gate, None, d_a_up, d_b_up, None, d_a_down, d_b_down, None)
 
 
 def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
-             *, scale_gate, scale_up, scale_down, act="silu"):
+             *, scale_gate, scale_up, scale_down, act="silu", mask_gate=None, mask_up=None, mask_down=None,
+             dropout_gate=0.0, dropout_up=0.0, dropout_down=0.0):
     """Triton gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y."""
     mlp_spec.check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
-                   scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act)
+                   scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act, mask_gate=mask_gate,
+                   mask_up=mask_up, mask_down=mask_down, dropout_gate=dropout_gate, dropout_up=dropout_up,
+                   dropout_down=dropout_down)
     _common.check_device(x=x, w_gate=w_gate, a_gate=a_gate, b_gate=b_gate, w_up=w_up, a_up=a_up,
                          b_up=b_up, w_down=w_down, a_down=a_down, b_down=b_down)
     mlp_spec.frozen(torch.is_grad_enabled(), w_gate=w_gate, w_up=w_up, w_down=w_down)
     scales = (float(scale_gate), float(scale_up), float(scale_down))
+    h, inter = x.shape[-1], w_gate.shape[0]
+    drop = _drop((mask_gate, mask_up, mask_down), (h, h, inter), (dropout_gate, dropout_up, dropout_down))
     return LoraMLPFunction.apply(x, scales, act == "gelu_tanh", w_gate, a_gate, b_gate, w_up, a_up, b_up,
-                                 w_down, a_down, b_down)
+                                 w_down, a_down, b_down, drop)

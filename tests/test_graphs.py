@@ -294,12 +294,14 @@ def test_unpatch_releases_the_graphs():
 
 
 @pytest.mark.gpu
-def test_peft_lora_replay_matches_uncaptured(math_sdpa):
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_peft_lora_replay_matches_uncaptured(dropout, math_sdpa):
     """LoRA adapters (forge's lora_qkv / lora_mlp inside the captured layers): only the adapters
-    train, the frozen base weights are read by the graphs."""
+    train, the frozen base weights are read by the graphs. With lora_dropout the masks are drawn
+    inside the graphs: seeded alike, a replay draws the uncaptured step's masks (fresh each step)."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
+    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, bias="none",
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     plain = get_peft_model(_gpu_model("qwen2"), cfg)
     with torch.no_grad():  # B starts at zero in peft: give the adapters a gradient path that shows
@@ -311,11 +313,22 @@ def test_peft_lora_replay_matches_uncaptured(math_sdpa):
     forge.patch(graphed, backend="triton", min_elements=0, graphs=True)
     assert graphed._forge_patched_counts.get("lora_qkv") == 3 and graphed._forge_patched_counts.get("graphs") == 3
     ids, labels = _ids(plain, 2, 128, "cuda")
+    losses = []
     for step in range(3):
-        _same(_step(graphed, ids, labels), _step(plain, ids, labels), f"lora step {step}")
+        torch.manual_seed(step)
+        got = _step(graphed, ids, labels)
+        torch.manual_seed(step)
+        _same(got, _step(plain, ids, labels), f"lora step {step}")
+        losses.append(got[0])
         _sgd(plain)
         _sgd(graphed)
     assert graphed._forge_graphs.stats.replayed == 2
+    if dropout:  # replays draw new masks: the same weights give another loss under another seed
+        seeded = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            seeded.append(_step(graphed, ids, labels)[0])
+        assert not torch.equal(*seeded) and graphed._forge_graphs.stats.replayed == 4
 
 
 @pytest.mark.gpu

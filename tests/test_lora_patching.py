@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import forge  # noqa: E402
 from forge import ops  # noqa: E402
 from forge.__main__ import build_model  # noqa: E402
+from forge.spec import lora_dropout as forge_lora_dropout  # noqa: E402
 from forge.spec import tolerance  # noqa: E402
 
 peft = pytest.importorskip("peft")
@@ -106,18 +107,24 @@ def test_lora_model_matches_eager(model_type, backend, device):
 
 
 # ------------------------------------------------------------------ adapters that do not fit
-def _dropout_in_layer_1(pm):
-    # one layer's adapter gets dropout after the fact: the other layer is still fused
+def _inplace_dropout_in_layer_1(pm):
+    # one layer's adapter gets an in-place dropout after the fact: the other layer is still fused
     layer = pm.base_model.model.model.layers[1]
-    layer.self_attn.v_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
-    layer.mlp.up_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    layer.self_attn.v_proj.lora_dropout["default"] = torch.nn.Dropout(0.1, inplace=True)
+    layer.mlp.up_proj.lora_dropout["default"] = torch.nn.Dropout(0.1, inplace=True)
+
+
+def _two_active_adapters(pm):
+    with torch.random.fork_rng(devices=[]):
+        pm.add_adapter("second", peft.LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False))
+    pm.base_model.set_adapter(["default", "second"])
 
 
 MISFITS = [
-    pytest.param(dict(lora_dropout=0.1), None, "lora_dropout 0.1", {}, id="dropout"),
     pytest.param(dict(use_dora=True), None, "DoRA", {}, id="dora"),
     pytest.param(dict(lora_bias=True), None, "LoRA bias", {}, id="lora_bias"),
-    pytest.param({}, _dropout_in_layer_1, "1 of 2", {"lora_qkv": 1, "lora_mlp": 1}, id="one_layer"),
+    pytest.param({}, _two_active_adapters, "2 active adapters", {}, id="two_active"),
+    pytest.param({}, _inplace_dropout_in_layer_1, "1 of 2", {"lora_qkv": 1, "lora_mlp": 1}, id="one_layer"),
 ]
 
 
@@ -148,6 +155,105 @@ def test_infer_mode_skips():
     forge.patch(pm, mode="infer", backend="triton", kernels=LORA)
     assert pm._forge_patched_counts == {}
     assert all("infer" in pm._forge_skipped[k] for k in LORA)
+
+
+# ------------------------------------------------------------------ lora_dropout
+class _Fp32MaskDropout(torch.nn.Dropout):
+    """The float64 reference model's dropout: its mask drawn as for the fp32 models' inputs (on a
+    GPU, torch's dropout kernel maps random numbers to elements differently per dtype)."""
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        keep = torch.nn.functional.dropout(torch.ones(x.shape, device=x.device), self.p, True) != 0
+        return torch.where(keep, x / (1 - self.p), 0)
+
+
+def _dropout_ref(pm):
+    ref = copy.deepcopy(pm).double()
+    for m in ref.modules():
+        drops = getattr(m, "lora_dropout", None)
+        if isinstance(drops, torch.nn.ModuleDict):
+            for k, d in drops.items():
+                if type(d) is torch.nn.Dropout:
+                    drops[k] = _Fp32MaskDropout(d.p)
+    return ref
+
+
+def _seeded_step(model, ids, seed=5):
+    torch.manual_seed(seed)  # each model draws its masks from the same RNG state
+    return step(model, ids)
+
+
+# CPU: qwen2 (q/k/v biases) with Triton (Pallas compiles a model's worth of new variants for a
+# minute in its interpreter; its kernels with masks are in test_lora.py); the GPU: both models x both
+DROPOUT_CASES = [pytest.param("qwen2", "triton", id="qwen2-triton")] + [
+    pytest.param(mt, b, id=f"{mt}-{b}-gpu", marks=pytest.mark.gpu) for mt in ("qwen2", "llama") for b in ops.BACKENDS]
+
+
+@pytest.mark.parametrize("model_type,backend", DROPOUT_CASES)
+def test_lora_dropout_matches_peft(model_type, backend, device, monkeypatch):
+    # peft's usual lora_dropout=0.05 in training: fused (counted), and with the RNG seeded alike
+    # forge drops exactly what peft drops: loss and every adapter gradient as peft's
+    need(backend)
+    pm = lora_model(model_type, device, lora_dropout=0.05).train()
+    ids = batch(pm, device)
+    ref = _dropout_ref(pm)
+    ref.train()
+    r, eager = _seeded_step(ref, ids), _seeded_step(pm, ids)
+    k = max(pm.config.vocab_size, pm.config.intermediate_size, ids.numel())
+    for name, e, x in [("loss", eager[0], r[0])] + [(n, eager[1][n], r[1][n]) for n in r[1]]:
+        # the reference drew peft's masks (else the oracle's bound, 2x eager's error, is void):
+        # fp32 rounding is ~1e-6 here; masks drawn in another order were off by ~1e-2
+        assert tolerance.rel_err(e, x) <= 100 * tolerance.atol(torch.float32, k), name
+    forge.patch(pm, backend=backend, kernels=LORA)
+    n = pm.config.num_hidden_layers
+    assert pm._forge_patched_counts == {"lora_qkv": n, "lora_mlp": n}, pm._forge_skipped
+    drawn = []
+    draw = forge_lora_dropout.draw
+    monkeypatch.setattr(forge_lora_dropout, "draw", lambda *a: drawn.append(draw(*a)) or drawn[-1])
+    patched = _seeded_step(pm, ids)
+    assert pm._forge_guard_stats.fused("lora_qkv") == n and pm._forge_guard_stats.fused("lora_mlp") == n
+    assert len(drawn) == 6 * n  # one mask per projection: q, k, v, gate, up, down
+    dropped = 1 - torch.cat([m.flatten() for m in drawn]).float().mean().item()
+    assert 0.02 < dropped < 0.09, dropped  # p = 0.05 over ~7k elements: 0.05 +- 5 sigma
+    assert_like_eager(patched, eager, r, pm, ids)
+    assert not torch.equal(_seeded_step(pm, ids, seed=6)[0], patched[0])  # the masks matter
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_lora_dropout_off_is_bit_identical(backend, device):
+    # eval mode, p = 0 in training, or a Dropout switched to eval on its own: exactly the call
+    # without dropout (an Identity-dropout twin patched the same way)
+    need(backend)
+    pm = lora_model("qwen2", device, lora_dropout=0.1)
+    plain = copy.deepcopy(pm)
+    for m in plain.modules():
+        if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict):
+            m.lora_dropout["default"] = torch.nn.Identity()
+    ids = batch(pm, device)
+    for model in (pm, plain):
+        forge.patch(model, backend=backend, kernels=LORA)
+    drops = [m for m in pm.modules() if type(m) is torch.nn.Dropout]
+    assert len(drops) == 7 * pm.config.num_hidden_layers
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    want = logits(plain.eval())
+    assert torch.equal(logits(pm.eval()), want)
+    pm.train()
+    plain.train()
+    assert not torch.equal(logits(pm), want)  # dropout active: the check can fail
+    for d in drops:
+        d.eval()  # the dropout module's own flag decides, as in peft
+    assert torch.equal(logits(pm), logits(plain))
+    for d in drops:
+        d.train()
+        d.p = 0.0
+    assert torch.equal(logits(pm), logits(plain))
+    assert pm._forge_guard_stats.fallback("lora_qkv") == 0 and pm._forge_guard_stats.fallback("lora_mlp") == 0
 
 
 # ------------------------------------------------------------------ call-time state, later adapters
@@ -287,9 +393,14 @@ def test_call_time_check_agrees_with_reasons():
     assert agree(attn.q_proj) is None
     assert "has a bias" in agree(attn.q_proj, bias_ok=False)  # qwen2's q/k/v carry biases
     attn.k_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
-    assert "lora_dropout" in agree(attn.k_proj)
-    attn.k_proj.lora_dropout["default"].eval()  # eval-mode dropout is the identity: fits a call
-    assert agree(attn.k_proj) is None
+    assert agree(attn.k_proj) is None and fused_params(attn.k_proj, lin, True)[5] == 0.1
+    attn.k_proj.lora_dropout["default"].eval()  # peft reads the Dropout's own mode: no dropout now
+    assert agree(attn.k_proj) is None and fused_params(attn.k_proj, lin, True)[5] == 0.0
+    attn.k_proj.lora_dropout["default"] = torch.nn.Dropout(0.1, inplace=True)
+    assert "in-place" in agree(attn.k_proj)
+    attn.k_proj.lora_dropout["default"] = torch.nn.AlphaDropout(0.1)
+    assert "AlphaDropout" in agree(attn.k_proj)
+    attn.k_proj.lora_dropout["default"] = torch.nn.Identity()
     attn.v_proj.base_layer.weight.requires_grad_(True)
     assert "trainable" in agree(attn.v_proj)
     with pm.disable_adapter():

@@ -45,6 +45,9 @@ def _cases(dtype, device, m):
         qkv += [lin(n, h), _w(n, dtype=dtype, device=device), lin(r, h), lin(n, r)]
     mlp = [lin(i, h), lin(r, h), lin(i, r), lin(i, h), lin(r, h), lin(i, r), lin(h, i), lin(r, i), lin(h, r)]
     b, s = 2, max(m // 2, 1)
+
+    def keep(*shape):
+        return torch.rand(*shape, device=device) > 0.2
     cos, sin = torch.randn(b, s, d, device=device).to(dtype), torch.randn(b, s, d, device=device).to(dtype)
     return {
         "rmsnorm": ((x, _w(h, dtype=dtype, device=device, scale=1.0)), (0, 1), {"eps": 1e-6}),
@@ -56,11 +59,18 @@ def _cases(dtype, device, m):
                   cos, sin), (0, 1), {}),
         "lora_qkv": ((x, *qkv), (0, 3, 4, 7, 8, 11, 12), {"scale_q": 2.0, "scale_k": 2.0, "scale_v": 0.5}),
         "lora_mlp": ((x, *mlp), (0, 2, 3, 5, 6, 8, 9), {"scale_gate": 2.0, "scale_up": 2.0, "scale_down": 0.5}),
+        # peft's lora_dropout: keep-masks (uint8 views) and the masked adapter paths in the plans
+        "lora_qkv_dropout": ((x, *qkv), (0, 3, 4, 7, 8, 11, 12), {
+            "scale_q": 2.0, "scale_k": 2.0, "scale_v": 0.5, "mask_q": keep(m, h), "dropout_q": 0.1,
+            "mask_v": keep(m, h), "dropout_v": 0.3}),
+        "lora_mlp_dropout": ((x, *mlp), (0, 2, 3, 5, 6, 8, 9), {
+            "scale_gate": 2.0, "scale_up": 2.0, "scale_down": 0.5, "mask_gate": keep(m, h), "dropout_gate": 0.1,
+            "mask_up": keep(m, h), "dropout_up": 0.1, "mask_down": keep(m, i), "dropout_down": 0.3}),
     }
 
 
 def _run(key, args, diff, kwargs, seed):
-    fn = ops.get("gated_mlp" if key == "gated_mlp" else key.removesuffix("_gemma"), "pallas")
+    fn = ops.get("gated_mlp" if key == "gated_mlp" else key.removesuffix("_gemma").removesuffix("_dropout"), "pallas")
     leaves = [None if a is None else a.detach().clone().requires_grad_(i in diff) for i, a in enumerate(args)]
     outs = fn(*leaves, **kwargs)
     outs = outs if isinstance(outs, tuple) else (outs,)

@@ -453,8 +453,10 @@ class Graphs:
                 gc.enable()
 
     def _warm_up(self, x_in, s, leaves, side):
-        """The capture's per-layer calls, outside it: Triton compiles, cuBLAS and SDPA choose."""
-        with torch.cuda.stream(side):
+        """The capture's per-layer calls, outside it: Triton compiles, cuBLAS and SDPA choose.
+        The RNG is restored after them (LoRA dropout draws masks): the replay that ends the
+        capturing call then draws what the uncaptured call would have."""
+        with torch.random.fork_rng(devices=[x_in.device]), torch.cuda.stream(side):
             for _ in range(WARMUP):
                 h = x_in
                 for i in range(len(self.layers)):

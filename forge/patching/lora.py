@@ -3,9 +3,16 @@
 by the rmsnorm / swiglu / geglu passes).
 
 What is fused: a peft ``lora.Linear`` over a plain ``nn.Linear`` whose one active adapter is
-vanilla LoRA: dropout 0 (or Identity), no DoRA or other variant, no LoRA bias, not merged, not
-disabled, no ``fan_in_fan_out``, base weight (and bias) frozen. Anything else is left to peft and
-named in ``model._forge_skipped[key]`` (modules that fit are still fused; counts say how many).
+vanilla LoRA: any ``lora_dropout`` (``nn.Dropout``, not in place, or Identity), no DoRA or other
+variant, no LoRA bias, not merged, not disabled, no ``fan_in_fan_out``, base weight (and bias)
+frozen. Anything else is left to peft and named in ``model._forge_skipped[key]`` (modules that
+fit are still fused; counts say how many).
+
+Dropout: when an adapter's ``nn.Dropout`` is in training mode with p > 0 (its own ``training``
+flag, as peft reads it), the replaced forward draws that projection's keep-mask with
+``forge.spec.lora_dropout.draw`` in peft's order (q, k, v; gate, up, down), on the input's
+shape and the adapter's dtype, and hands it to the kernel: with the same RNG state the fused
+call drops exactly what peft would. Otherwise no mask: the call is the one without dropout.
 
 - ``lora_mlp``: the MLP module's forward (``down(act(gate(x)) * up(x))`` in every supported
   architecture) becomes one ``lora_mlp`` call; act from the config (silu -> swiglu,
@@ -18,7 +25,7 @@ named in ``model._forge_skipped[key]`` (modules that fit are still fused; counts
 
 Everything is looked up at call time: weights (FSDP2 swaps them), the active adapter, its
 scaling, dropout, merge and disable state. A call whose state does not fit (adapters disabled or
-merged, another adapter made active that has dropout, base weights unfrozen, extra arguments,
+merged, another adapter made active that is DoRA, base weights unfrozen, extra arguments,
 DTensor weights outside an FSDP2 forward) runs peft's path for that call. Under autocast the
 fused call runs in the autocast dtype, as every matmul of eager peft then does.
 
@@ -36,6 +43,7 @@ import types
 import torch
 from torch import nn
 
+from ..spec import lora_dropout as _drop
 from . import arch as _arch
 from .forwards import _compiling
 
@@ -54,9 +62,8 @@ def _peft_linear():
 
 def misfit(layer, lora_linear, *, bias_ok: bool, call: bool = True) -> str | None:
     """Why ``layer`` cannot run fused (None when it can), in words for ``_forge_skipped``. At
-    patch time (``call=False``) dropout must be 0 whatever the train/eval mode, and the weight's
-    type is not checked (FSDP2 has it sharded until the forward). ``fused_params`` is the same
-    test for every call."""
+    patch time (``call=False``) the weight's type is not checked (FSDP2 has it sharded until the
+    forward). ``fused_params`` is the same test for every call."""
     if type(layer) is not lora_linear:
         return f"{type(layer).__name__} is not a plain peft lora.Linear (quantized or other layer type)"
     base = layer.base_layer
@@ -75,9 +82,10 @@ def misfit(layer, lora_linear, *, bias_ok: bool, call: bool = True) -> str | Non
     if layer.use_dora.get(name, False) or name in layer.lora_variant:
         return f"adapter {name!r} is DoRA or another LoRA variant"
     drop = layer.lora_dropout[name]
-    no_drop = isinstance(drop, nn.Dropout) and (drop.p == 0 or (call and not drop.training))
-    if not (isinstance(drop, nn.Identity) or no_drop):
-        return f"adapter {name!r} has lora_dropout {getattr(drop, 'p', drop)} (the fused kernel has no dropout)"
+    if type(drop) is not nn.Identity and type(drop) is not nn.Dropout:
+        return f"adapter {name!r} has a lora_dropout of type {type(drop).__name__} (fused: nn.Dropout or Identity)"
+    if getattr(drop, "inplace", False):
+        return f"adapter {name!r} has an in-place lora_dropout (it would edit the layer's input)"
     if layer.lora_bias.get(name, False) or layer.lora_B[name].bias is not None or layer.lora_A[name].bias is not None:
         return f"adapter {name!r} has a LoRA bias"
     if getattr(layer, "fan_in_fan_out", False):
@@ -94,15 +102,21 @@ def misfit(layer, lora_linear, *, bias_ok: bool, call: bool = True) -> str | Non
     return None
 
 
+def _p_now(drop) -> float:
+    """The dropout probability a call applies now: peft reads the Dropout module's own mode."""
+    return float(drop.p) if type(drop) is nn.Dropout and drop.training and drop.p > 0 else 0.0
+
+
 def _params(layer):
-    """(w, bias, a, b, scale) of the active adapter, read now."""
+    """(w, bias, a, b, scale, dropout p now) of the active adapter, read now."""
     name = layer.active_adapters[0]
     base = layer.base_layer
-    return base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])
+    return (base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]),
+            _p_now(layer.lora_dropout[name]))
 
 
 def fused_params(layer, lora_linear, bias_ok: bool):
-    """(w, bias, a, b, scale) if ``layer`` can run fused now, else None: ``misfit`` with
+    """(w, bias, a, b, scale, p) if ``layer`` can run fused now, else None: ``misfit`` with
     ``call=True`` and ``_params`` in one pass over the instance ``__dict__`` (nn.Module attribute
     lookups made the readable version cost ~100 us a layer on a slow host, every forward).
     FSDP2 swaps parameters through ``_parameters`` too, so this sees what it installed."""
@@ -124,7 +138,8 @@ def fused_params(layer, lora_linear, bias_ok: bool):
         if d.get("lora_bias", {}).get(name):
             return None
         drop = mods["lora_dropout"]._modules[name]
-        if type(drop) is not nn.Identity and not (isinstance(drop, nn.Dropout) and (drop.p == 0 or not drop.training)):
+        dt = type(drop)
+        if dt is not nn.Identity and (dt is not nn.Dropout or drop.inplace):
             return None
         lb, base = mods["lora_B"]._modules[name], mods["base_layer"]
         if type(base) is not nn.Linear or la._parameters.get("bias") is not None:
@@ -137,7 +152,7 @@ def fused_params(layer, lora_linear, bias_ok: bool):
         if (type(w) is not nn.Parameter and type(w) is not torch.Tensor) or (
                 a.dtype != w.dtype and not d.get("cast_input_dtype_enabled", True)):
             return None
-        return w, bias, a, lb._parameters["weight"], float(d["scaling"][name])
+        return w, bias, a, lb._parameters["weight"], float(d["scaling"][name]), _p_now(drop)
     except (KeyError, AttributeError, TypeError):  # another peft layout: the readable path
         return None if misfit(layer, lora_linear, bias_ok=bias_ok) else _params(layer)
 
@@ -154,6 +169,18 @@ def _compute_dtype(x, args, kwargs, w):
     return x.dtype if x.dtype == w.dtype else None
 
 
+def _masks(x, names, ps, widths) -> dict:
+    """``mask_<name>``/``dropout_<name>`` for the projections with dropout now, drawn in ``names``'
+    order as peft's forwards would draw them: on the projection input's shape (x's rows, then
+    ``width``) in the adapter's dtype (peft casts the input to lora_A's dtype before dropout)."""
+    out = {}
+    for name, p, width in zip(names, ps, widths):
+        if p[5]:
+            out[f"mask_{name}"] = _drop.draw((*x.shape[:-1], width), p[5], p[2].dtype, x.device)
+            out[f"dropout_{name}"] = p[5]
+    return out
+
+
 def _cast(dtype, *ts):
     # autocast's casts, done here once (differentiable: fp32 adapters get fp32 gradients)
     return [t if t is None or t.dtype == dtype else t.to(dtype) for t in ts]
@@ -168,7 +195,7 @@ def _mlp_forward(kernel, act, lora_linear, ks):
             if not _compiling():
                 ks.fallback += 1
             return type(self).forward(self, x, *args, **kwargs)
-        (wg, _, ag, bg, sg), (wu, _, au, bu, su), (wd, _, ad, bd, sd) = ps
+        (wg, _, ag, bg, sg, _), (wu, _, au, bu, su, _), (wd, _, ad, bd, sd, _) = ps
         cd = _compute_dtype(x, args, kwargs, wg)
         if cd is None or not (ag.dtype == au.dtype == ad.dtype):
             if not _compiling():
@@ -177,9 +204,10 @@ def _mlp_forward(kernel, act, lora_linear, ks):
         ts = (x, wg, ag, bg, wu, au, bu, wd, ad, bd)
         if torch.is_autocast_enabled(x.device.type):
             ts = _cast(cd, *ts)
+        drop = _masks(x, ("gate", "up", "down"), ps, (x.shape[-1], x.shape[-1], wg.shape[0]))
         if not _compiling():
             ks.fused += 1
-        return kernel(*ts, scale_gate=sg, scale_up=su, scale_down=sd, act=act)
+        return kernel(*ts, scale_gate=sg, scale_up=su, scale_down=sd, act=act, **drop)
 
     return forward
 
@@ -195,10 +223,11 @@ def _qkv_forwards(kernel, lora_linear, ks):
         if None not in ps:
             cd = _compute_dtype(x, args, kwargs, ps[0][0])
             if cd is not None and ps[0][2].dtype == ps[1][2].dtype == ps[2][2].dtype:
-                ts = [x] + [t for w, bias, a, b, _ in ps for t in (w, bias, a, b)]
+                ts = [x] + [t for w, bias, a, b, _, _ in ps for t in (w, bias, a, b)]
                 if torch.is_autocast_enabled(x.device.type):
                     ts = _cast(cd, *ts)
-                q, k, v = kernel(*ts, scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4])
+                drop = _masks(x, "qkv", ps, (x.shape[-1],) * 3)
+                q, k, v = kernel(*ts, scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4], **drop)
                 slots[id(attn)] = [x, x._version, torch.is_grad_enabled(), k, v]
                 if not _compiling():
                     ks.fused += 1

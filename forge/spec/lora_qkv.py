@@ -3,35 +3,40 @@
 Signature (every backend)::
 
     lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-             *, scale_q, scale_k, scale_v) -> (q, k, v)
+             *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
+             dropout_q=0.0, dropout_k=0.0, dropout_v=0.0) -> (q, k, v)
 
     x: (..., H)   w_p: (N_p, H) frozen base weight   bias_p: (N_p,) frozen, or None
     a_p: (r_p, H) lora_A.weight   b_p: (N_p, r_p) lora_B.weight   scale_p: float (alpha / r)
     x, w_p, bias_p share one dtype; all a_p, b_p share one (possibly another, e.g. fp32); ranks
     may differ per projection
+    mask_p: bool (..., H) keep-mask of peft's lora_dropout on p's adapter input, or None (no
+    dropout); dropout_p: its probability (forge/spec/lora_dropout.py)
 
 Equivalent torch, per projection p, as peft computes it (the LoRA path runs in the adapter's
 dtype, which peft keeps in fp32 for a bf16 model by default; the sum is rounded to x's dtype)::
 
     base = F.linear(x, w_p, bias_p)                                     # (..., N_p), x.dtype
-    lora = F.linear(F.linear(x.to(a_p.dtype), a_p), b_p) * scale_p      # (..., N_p), a_p.dtype
+    xd_p = lora_dropout.apply(x.to(a_p.dtype), mask_p, dropout_p)      # x.to(a_p.dtype) if no mask
+    lora = F.linear(F.linear(xd_p, a_p), b_p) * scale_p                 # (..., N_p), a_p.dtype
     p = (base + lora).to(x.dtype)
 
 Gradients flow to x and to every a_p and b_p. The base weights and biases are frozen: kernels
 compute no gradient for them and raise ValueError if one requires grad while grad is enabled
-(peft freezes them; train the base with plain nn.Linear instead). Backward, with xa_p = x a_p^T
-(M, r_p) saved from the forward and g_p the output gradient::
+(peft freezes them; train the base with plain nn.Linear instead). Backward, with xa_p = xd_p a_p^T
+(M, r_p) saved from the forward, xd_p recomputed from x and mask_p, g_p the output gradient::
 
     d b_p  = scale_p * g_p^T xa_p                       (N_p, r_p)
     d xa_p = scale_p * g_p b_p                          (M, r_p)
-    d a_p  = d xa_p^T x                                 (r_p, H)
-    d x    = sum_p (g_p w_p + d xa_p a_p)               accumulated once, base and LoRA paths
+    d a_p  = d xa_p^T xd_p                              (r_p, H)
+    d x    = sum_p (g_p w_p + drop_p(d xa_p a_p))       accumulated once, base and LoRA paths
+                                                        (drop_p = lora_dropout.apply with mask_p)
 """
 from __future__ import annotations
 
 import torch.nn.functional as F
 
-from . import _check
+from . import _check, lora_dropout
 
 PROJ = ("q", "k", "v")
 
@@ -67,11 +72,14 @@ def _proj_args(name, x, w, bias, a, b, scale, *, width=None, in_name="x"):
 
 
 def check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-          *, scale_q, scale_k, scale_v) -> None:
+          *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
+          dropout_q=0.0, dropout_k=0.0, dropout_v=0.0) -> None:
     _check.tensor("x", x)
     _proj_args("q", x, w_q, bias_q, a_q, b_q, scale_q)
     _proj_args("k", x, w_k, bias_k, a_k, b_k, scale_k)
     _proj_args("v", x, w_v, bias_v, a_v, b_v, scale_v)
+    for p, m, d in zip(PROJ, (mask_q, mask_k, mask_v), (dropout_q, dropout_k, dropout_v)):
+        lora_dropout.check(p, m, d, x.shape, x.device, "x")
     # one adapter dtype: kernels run the three down-projections as one GEMM
     _check.same_dtype("a_q", a_q, "a_k", a_k)
     _check.same_dtype("a_q", a_q, "a_v", a_v)
@@ -87,20 +95,22 @@ def frozen(grad_enabled: bool, **named) -> None:
                              "frozen (no gradient); freeze it or use the unfused layer")
 
 
-def project(x, w, bias, a, b, scale):
+def project(x, w, bias, a, b, scale, mask=None, p=0.0):
     """One peft LoRA linear: the reference for a single projection (also used by lora_mlp)."""
     base = F.linear(x, w, bias)
-    lora = F.linear(F.linear(x.to(a.dtype), a), b) * scale
+    lora = F.linear(F.linear(lora_dropout.apply(x.to(a.dtype), mask, p), a), b) * scale
     return (base + lora).to(x.dtype)
 
 
 def reference(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-              *, scale_q, scale_k, scale_v):
+              *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
+              dropout_q=0.0, dropout_k=0.0, dropout_v=0.0):
     check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-          scale_q=scale_q, scale_k=scale_k, scale_v=scale_v)
-    return (project(x, w_q, bias_q, a_q, b_q, scale_q),
-            project(x, w_k, bias_k, a_k, b_k, scale_k),
-            project(x, w_v, bias_v, a_v, b_v, scale_v))
+          scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, mask_q=mask_q, mask_k=mask_k, mask_v=mask_v,
+          dropout_q=dropout_q, dropout_k=dropout_k, dropout_v=dropout_v)
+    return (project(x, w_q, bias_q, a_q, b_q, scale_q, mask_q, dropout_q),
+            project(x, w_k, bias_k, a_k, b_k, scale_k, mask_k, dropout_k),
+            project(x, w_v, bias_v, a_v, b_v, scale_v, mask_v, dropout_v))
 
 
 def elements(x, *_a, **_k) -> int:
