@@ -214,7 +214,8 @@ def test_calls_the_path_cannot_serve_run_as_before(fake_graphs):
     base = dict(attention_mask=mask, max_new_tokens=3, pad_token_id=0)
     cases = [
         ({"past_key_values": DynamicCache(config=model.config)}, "generate: a cache passed by the caller"),
-        ({"num_beams": 2, "do_sample": False}, "generate: generation mode beam_search (captured: greedy_search, sample)"),
+        ({"num_beams": 2, "do_sample": False},
+         "generate: generation mode beam_search (captured: greedy_search, sample)"),
         ({"use_cache": False}, "generate: use_cache=False"),
         ({"output_hidden_states": True, "return_dict_in_generate": True}, "generate: output_hidden_states"),
     ]
@@ -229,6 +230,14 @@ def test_calls_the_path_cannot_serve_run_as_before(fake_graphs):
         assert torch.equal(got, want), why
         assert st.why.get(why) == 1, (why, st)
     assert st.decode_replayed == st.decode_captures == st.decode_caches == 0
+    # transformers' output-capturing hooks (installed for good by the hidden states asked for
+    # above) do nothing in a plain call: it is served; a hook of the user's is not
+    assert torch.equal(model.generate(ids, **base), eager_model.generate(ids, **base))
+    assert st.decode_caches == 1 and "generate: module hooks" not in st.why
+    h = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    model.generate(ids, **base)
+    h.remove()
+    assert st.why.get("generate: module hooks") == 1
 
 
 def test_unpatch_restores_generate():

@@ -55,7 +55,7 @@ def why_not(root, backends) -> str | None:
         return (f"forge's {', '.join(bad)} kernel(s) run on {backends[bad[0]]!r}, whose calls a CUDA graph "
                 f"cannot capture yet (capturable: {CAPTURABLE})")
     cls = type(root)
-    if not callable(getattr(cls, "generate", None)) or not callable(getattr(cls, "_prepare_cache_for_generation", None)):
+    if not all(callable(getattr(cls, n, None)) for n in ("generate", "_prepare_cache_for_generation")):
         return f"{cls.__name__} has no transformers generate() with _prepare_cache_for_generation"
     for name in ("forward", "generate", "_prepare_cache_for_generation"):
         if name in root.__dict__:
@@ -174,9 +174,16 @@ class Decoder:
         return None
 
     def _hooked(self) -> bool:
+        """Forward hooks a replay would skip (root's own run around its forward). transformers'
+        output-capturing hooks, installed for good the first time hidden states or attentions
+        are asked for, do nothing in a call that asks for neither (such calls are declined)."""
         if _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks:
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self._mods[1:])  # root's own run around forward
+        for m in self._mods[1:]:
+            if m._forward_pre_hooks or any(getattr(h, "__name__", "") != "output_capturing_hook"
+                                           for h in m._forward_hooks.values()):
+                return True
+        return False
 
     def _slot(self, batch, needed):
         from transformers import StaticCache

@@ -35,8 +35,8 @@ runs the forward as patched without graphs (counted in ``stats``, with the reaso
 
 - the pass: no gradient checkpointing, no autocast, not under torch.compile, CUDA hidden
   states, ``attention_mask`` None (the causal mask left to SDPA), no KV cache but an empty
-  ``DynamicCache`` without grad (the fused loss asks the decoder for none in training; the
-  decoding steps of ``generate()`` run uncaptured), attention ``sdpa`` or
+  ``DynamicCache`` without grad (the fused loss asks the decoder for none in training;
+  ``generate()``'s decoding steps are captured whole by ``decode.py`` in mode="infer"), attention ``sdpa`` or
   ``eager`` (position_ids unused), no other arguments, no hooks on the layers or their modules,
   parameters the same tensors at the same addresses with the same requires_grad as captured;
 - the layers are called in order 0..N-1, each on the previous one's output with the same cos/sin
