@@ -253,6 +253,10 @@ def test_unpatch_restores_generate():
     assert torch.equal(model.generate(ids, **kw), want)
     assert model._forge_graphs.stats.why == {"generate: the model is on cpu, CUDA graphs need a CUDA device": 1,
                                              "attention mask": 3}
+    # a deep copy's methods are bound to the copy, which is not the model forge serves: as before
+    dup = copy.deepcopy(model)
+    assert torch.equal(dup.generate(ids, **kw), want) and dup._forge_graphs is model._forge_graphs
+    assert sum(model._forge_graphs.stats.why.values()) == 4  # nothing of the copy's is counted
     forge.unpatch(model)
     assert not taken & model.__dict__.keys() and not hasattr(model, "_forge_graphs")
     assert torch.equal(model.generate(ids, **kw), want)

@@ -114,9 +114,6 @@ class Decoder:
         self.cache_name = None
         self._mods = list(root.modules())
 
-    def __deepcopy__(self, memo):
-        return self  # a deep copy's methods call this object and run as transformers' (self is not root)
-
     # -- generate() ----------------------------------------------------------------------------
     def generate(self, model, args, kwargs):
         if model is not self.root or self.armed:

@@ -113,6 +113,7 @@ class CachedSteps:
 
     def __init__(self, cache, batch: int, capacity: int):
         self.cache, self.batch, self.capacity = cache, batch, capacity
+        self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
         self.steps: dict[tuple, _Step] = {}
         self.seen: dict[tuple, int] = {}
         self.failed: dict[tuple, str] = {}
@@ -121,13 +122,10 @@ class CachedSteps:
         """Empty the cache in place (its tensors keep their addresses: the graphs stay valid)."""
         self.cache.reset()
 
-    def _sliding(self):
-        return [ly for ly in self.cache.layers if hasattr(ly, "cumulative_length_int")]
-
     def full_window(self) -> bool:
         """A sliding-window layer holds its whole window: transformers' update then rolls the
         window, which runs uncaptured (it builds an index tensor from a Python list per call)."""
-        return any(ly.cumulative_length_int >= ly.max_cache_len for ly in self._sliding())
+        return any(ly.cumulative_length_int >= ly.max_cache_len for ly in self.sliding)
 
     def run(self, forward, kw, sig, backend, owner, stats):
         """(output, why): the replayed step's output (a ModelOutput whose logits are the graph's
@@ -152,7 +150,7 @@ class CachedSteps:
             step.ids.copy_(kw["input_ids"])
             step.pos.copy_(kw["position_ids"])
             _copy_into(step.mask, kw["attention_mask"])
-        ints = [(ly, ly.cumulative_length_int) for ly in self._sliding()]
+        ints = [(ly, ly.cumulative_length_int) for ly in self.sliding]
         step.graph.replay()
         for ly, n in ints:  # what update() does in Python for one new token
             ly.cumulative_length_int = n + 1
