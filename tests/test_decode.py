@@ -156,6 +156,8 @@ def test_greedy_left_padded_batch_matches_eager(model_type, fake_graphs):
         assert full == 0 and st.decode_replayed == 5 * 3 - decode_runtime.WARMUP, st
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter; on a CUDA "
+                    "machine the gpu-marked cases run the compiled kernels inside real graphs")
 def test_forge_kernels_run_inside_the_captured_step(fake_graphs):
     model = _model("qwen2")
     ids, mask = _prompt(model, 2, 4, "cpu")
