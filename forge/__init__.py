@@ -54,9 +54,10 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         forge.patching.graphs for when a call replays and what the graphs hold). Off by default:
         the graphs keep the activations in a memory pool between calls (one for all captured
         shapes, about the largest one's size), and a call that does not fit them (a mask, a
-        growing KV cache as in generate()'s decoding, hooks, a second forward before the first's
-        backward) runs uncaptured.
-        ``model._forge_graphs.stats`` counts replayed and uncaptured passes.
+        growing KV cache, hooks, a second forward before the first's backward) runs uncaptured.
+        With mode="infer", generate() decodes on a static KV cache of forge's with each decoding
+        step one graph replay (forge.patching.decode, docs/generate.md).
+        ``model._forge_graphs.stats`` counts replayed and uncaptured passes and decoding steps.
     recompute_mlp: in training, the fused gated MLP keeps only its input for backward and makes
         its gate and up products again there: 2 x rows x intermediate activations less per layer
         (1.9 GB at Qwen2.5-0.5B 4 x 1024) for two more matrix products per layer. The MLP is then

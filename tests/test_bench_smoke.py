@@ -89,3 +89,16 @@ def test_bench_guard_gated_mlp_quick(tmp_path):
     _run("bench_guard.py", ["--quick", "--kernels", "gated_mlp", "--backends", "triton"], tmp_path)
     rows = _rows(tmp_path, "bench_guard")
     assert {int(r["elements"]) for r in rows} == {1 * 4864, 4 * 4864}
+
+
+@pytest.mark.slow
+def test_bench_generate_quick(tmp_path):
+    _run("bench_generate.py", ["--quick"], tmp_path)
+    rows = _rows(tmp_path, "bench_generate")
+    assert {"batch", "prompt", "variant", "tok_s", "ttft_ms", "first_s", "same_tokens"} <= rows[0].keys()
+    assert [r["variant"] for r in rows] == ["eager", "forge", "forge graphs", "static + compile"]
+    assert all(float(r["tok_s"]) > 0 for r in rows[:3])
+    # no CUDA: the graphs variant's generate() runs as before, and says why
+    assert "the model is on cpu" in rows[2]["note"] and "skipped" in rows[3]["note"]
+    assert float(rows[1]["same_tokens"]) == 1.0 and float(rows[2]["same_tokens"]) == 1.0
+    assert len(list(tmp_path.glob("bench_generate*.png"))) == 1

@@ -346,10 +346,13 @@ def test_inference_prefill_replays_into_the_kv_cache(math_sdpa):
             for la, lb in zip(a.past_key_values.layers, b.past_key_values.layers):
                 assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values), seed
     assert g.stats.captures == 1 and g.stats.replayed == 2
-    # generate(): the prefill replays (its shape's second call), each new token runs uncaptured
+    # generate() is forge.patching.decode's (tests/test_decode.py checks its tokens): a static
+    # cache, its prefill uncaptured here, its decoding steps captured whole (3 per call: two
+    # warm up, then they replay)
     ids, _ = _ids(plain, 1, 16, "cuda")
-    want = plain.generate(ids, max_new_tokens=4, do_sample=False)
     for _ in range(2):
-        assert torch.equal(graphed.generate(ids, max_new_tokens=4, do_sample=False), want)
-    assert g.stats.captures == 2 and g.stats.replayed == 3
-    assert g.stats.why.get("KV cache (not an empty DynamicCache in a forward without grad)", 0) >= 6
+        assert graphed.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 20)
+    assert g.stats.captures == 1 and g.stats.replayed == 2
+    assert g.stats.decode_captures == 1 and g.stats.decode_replayed == 4, g.stats
+    prefill = ("attention mask", "KV cache (not an empty DynamicCache in a forward without grad)")
+    assert sum(g.stats.why.get(w, 0) for w in prefill) == 2, g.stats

@@ -36,6 +36,7 @@ from torch import nn
 from .. import errors, ops
 from ..spec import KERNELS
 from . import arch as _arch
+from . import decode as _decode
 from . import forwards as fw
 from . import graphs as _graphs
 from .guard import GuardStats
@@ -400,4 +401,6 @@ def _apply_graphs(root, p):
     g = _graphs.Graphs(root, layers, forwards)
     for i, (layer, orig) in enumerate(zip(layers, forwards)):
         p.replace_forward(layer, "graphs", types.MethodType(_graphs.layer_forward(g, i, orig), layer))
+    if p.mode == "infer":  # generate()'s decoding steps, each captured whole on a static cache
+        g.decode = _decode.install(root, g, p)
     return g

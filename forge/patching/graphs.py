@@ -35,8 +35,8 @@ runs the forward as patched without graphs (counted in ``stats``, with the reaso
 
 - the pass: no gradient checkpointing, no autocast, not under torch.compile, CUDA hidden
   states, ``attention_mask`` None (the causal mask left to SDPA), no KV cache but an empty
-  ``DynamicCache`` without grad (the fused loss asks the decoder for none in training; the
-  decoding steps of ``generate()`` run uncaptured), attention ``sdpa`` or
+  ``DynamicCache`` without grad (the fused loss asks the decoder for none in training;
+  ``generate()``'s decoding steps are captured whole by ``decode.py`` in mode="infer"), attention ``sdpa`` or
   ``eager`` (position_ids unused), no other arguments, no hooks on the layers or their modules,
   parameters the same tensors at the same addresses with the same requires_grad as captured;
 - the layers are called in order 0..N-1, each on the previous one's output with the same cos/sin
@@ -90,7 +90,7 @@ def graph_pool_bytes(model) -> int:
     """Bytes held by ``model``'s graph pool that no live tensor holds (invisible to torch's
     ``memory_allocated``; replays write there). 0 without graphs."""
     g = getattr(model, "_forge_graphs", None)
-    if g is None or not g.sets:
+    if g is None or g.pool is None:
         return 0
     held = 0
     for seg in torch.cuda.memory_snapshot():
@@ -175,15 +175,23 @@ class _Replay(torch.autograd.Function):
 
 
 class Stats:
-    __slots__ = ("replayed", "uncaptured", "captures", "why")
+    """Decoder passes replayed / run uncaptured (with why), layer-set captures, and generate()'s
+    decoding steps replayed from their own graphs (``decode_*``, forge.patching.decode)."""
+
+    __slots__ = ("replayed", "uncaptured", "captures", "why", "decode_replayed", "decode_captures", "decode_caches")
 
     def __init__(self):
         self.replayed = self.uncaptured = self.captures = 0
+        self.decode_replayed = self.decode_captures = self.decode_caches = 0
         self.why: dict[str, int] = {}
+
+    def count(self, why: str) -> None:
+        self.why[why] = self.why.get(why, 0) + 1
 
     def as_dict(self):
         return {"replayed": self.replayed, "uncaptured": self.uncaptured, "captures": self.captures,
-                "why_uncaptured": dict(self.why)}
+                "decode_replayed": self.decode_replayed, "decode_captures": self.decode_captures,
+                "decode_caches": self.decode_caches, "why_uncaptured": dict(self.why)}
 
     def __repr__(self):
         return f"GraphStats({self.as_dict()})"
@@ -227,6 +235,8 @@ class Graphs:
         self.seen: dict[tuple, int] = {}  # keys seen once: captured the second time
         self.failed: dict[tuple, str] = {}  # (grad, cache) -> why its capture failed
         self.stats = Stats()
+        self.paused = False  # a decoding step of forge.patching.decode runs: the layers run uncaptured
+        self.decode = None  # forge.patching.decode's Decoder, when installed
         self._mods = [list(layer.modules()) for layer in layers]
         try:
             from transformers.cache_utils import DynamicCache as _DC
@@ -243,8 +253,8 @@ class Graphs:
     # -- one decoder pass --------------------------------------------------------------------
     def call(self, i, layer, x, args, kwargs):
         """The layer's output from its graph, or None: run the uncaptured forward."""
-        if layer is not self.layers[i]:
-            return None  # a deep copy of the model: its layers were never captured
+        if self.paused or layer is not self.layers[i]:
+            return None  # a decoding step captured whole, or a deep copy of the model
         if i == 0:
             self.cur = None
             why = self._begin(layer, x, args, kwargs)

@@ -36,7 +36,7 @@ class Patcher:
         self._requested, self.explicit = requested, explicit
         self.recompute_mlp = recompute_mlp  # the gated MLP keeps only its input (forge.patch)
         self._loaded: dict[str, tuple] = {}
-        self._records: list[list] = []       # [module, had_instance_forward, old_forward, key]
+        self._records: list[list] = []       # [module, had_instance_attr, old_attr, key, attr name]
         self._by_id: dict[int, list] = {}
 
     # -- the interface the LoRA patcher uses -------------------------------------------------
@@ -89,7 +89,7 @@ class Patcher:
         rec = self._by_id.get(id(module))
         if rec is None:
             had = "forward" in module.__dict__
-            rec = [module, had, module.__dict__.get("forward"), key]
+            rec = [module, had, module.__dict__.get("forward"), key, "forward"]
             self._records.append(rec)
             self._by_id[id(module)] = rec
         else:  # a later kernel takes the module over (e.g. lora_mlp after swiglu)
@@ -100,6 +100,12 @@ class Patcher:
 
     def skip(self, key: str, reason: str) -> None:
         self.skipped[key] = reason
+
+    def replace_method(self, module, name: str, new) -> None:
+        """Store ``new`` as the instance attribute ``name`` (a method other than forward that forge
+        takes over, such as ``generate``); unpatch restores what was there. Not counted."""
+        self._records.append([module, name in module.__dict__, module.__dict__.get(name), None, name])
+        module.__dict__[name] = new
 
     # -- internals ---------------------------------------------------------------------------
     def is_replaced(self, module) -> bool:
@@ -143,13 +149,13 @@ def _find_kernel(key, want):
 
 
 def restore(records) -> None:
-    """Undo replace_forward records, newest first: delete the instance attribute, or put back the
-    one that was there, so the module's forward is again exactly what it was."""
-    for module, had, old, _key in reversed(records):
+    """Undo replace_forward / replace_method records, newest first: delete the instance attribute,
+    or put back the one that was there, so the module's forward is again exactly what it was."""
+    for module, had, old, _key, name in reversed(records):
         if had:
-            module.__dict__["forward"] = old
+            module.__dict__[name] = old
         else:
-            module.__dict__.pop("forward", None)
+            module.__dict__.pop(name, None)
 
 
 @functools.cache

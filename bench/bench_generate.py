@@ -1,0 +1,205 @@
+"""generate() end to end: eager, forge defaults, forge with graphs (decoding steps captured on a
+static cache, forge.patching.decode) and transformers' static cache with its automatic
+torch.compile, in one process on one model.
+
+    python bench/bench_generate.py [--out DIR] [--batches 1,8,32] [--prompts 128,1024] [--new 256]
+    python bench/bench_generate.py --quick      # tiny CPU smoke test
+
+Per (batch, prompt length) and variant: greedy generate() of --new tokens (min_new_tokens too,
+so every run decodes them all) from random prompts. ``first_s`` is the variant's first call
+(forge graphs: its captures; static + compile: its compilation; ``first_extra_s`` is what it took
+beyond a timed call), ``ttft_ms`` the median time of
+generate(max_new_tokens=1), ``total_s`` the median of --reps timed full calls, ``tok_s`` =
+batch x new / total_s and ``decode_tok_s`` = batch x (new - 1) / (total_s - ttft). ``peak_MiB``
+is torch's peak allocated memory during the timed calls plus, with graphs, the graph pool's
+bytes no live tensor holds (torch's counter does not see what replays write there).
+``same_tokens`` is the fraction of sequences identical to eager's (random bf16 weights have near
+ties: not every mismatch is an error; tests/test_decode.py holds the correctness rule).
+Writes <out>/bench_generate-<model>-<gpu>-<stamp>.{json,csv,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import _common as bc  # noqa: E402
+import forge  # noqa: E402
+from forge.patching.graphs import graph_pool_bytes  # noqa: E402
+from presets import PRESETS, build  # noqa: E402
+
+VARIANTS = ("eager", "forge", "forge graphs", "static + compile")
+COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ttft_ms", "total_s", "first_s",
+           "first_extra_s", "peak_MiB", "same_tokens", "note"]
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn):
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    return time.perf_counter() - t0, out
+
+
+def _forget_compiled(model):
+    # transformers keeps its compiled forward, and the longest static cache so far (later caches
+    # are never shorter), on the model: each case compiles, and sizes its cache, afresh
+    for name in ("_compiled_call", "_previous_max_cache_length"):
+        model.__dict__.pop(name, None)
+    torch._dynamo.reset()
+
+
+def _setup(model, variant, quick):
+    """Patch (or not) for the variant; returns generate's extra keywords."""
+    _forget_compiled(model)
+    kernels = ["fused_linear_ce"] if quick else None  # --quick: no interpreted kernels (seconds, not minutes)
+    if variant == "forge":
+        forge.patch(model, mode="infer", backend="triton", kernels=kernels)
+    elif variant == "forge graphs":
+        forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
+    return {"cache_implementation": "static"} if variant == "static + compile" else {}
+
+
+def _teardown(model):
+    forge.unpatch(model)
+    _forget_compiled(model)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_case(model, variant, ids, mask, new, reps, quick, want):
+    row = {"batch": ids.shape[0], "prompt": ids.shape[1], "variant": variant}
+    if variant == "static + compile" and not torch.cuda.is_available():
+        row["note"] = "skipped: transformers compiles only on an accelerator"
+        return row, None
+    extra = _setup(model, variant, quick)
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, **extra)
+    full = lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)  # noqa: E731
+    try:
+        row["first_s"], _ = _timed(full)
+        _timed(full)  # forge graphs: the first call's steps warm up and capture; this one replays
+        row["ttft_ms"] = 1e3 * statistics.median(
+            _timed(lambda: model.generate(ids, max_new_tokens=1, **kw))[0] for _ in range(1 if quick else max(reps, 3)))
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(reps):
+            t, out = _timed(full)
+            times.append(t)
+        if torch.cuda.is_available():
+            row["peak_MiB"] = (torch.cuda.max_memory_allocated() + graph_pool_bytes(model)) / 2**20
+        row["total_s"] = statistics.median(times)
+        row["first_extra_s"] = max(row["first_s"] - row["total_s"], 0.0)  # compile / warm-up and capture
+        b = ids.shape[0]
+        row["tok_s"] = b * new / row["total_s"]
+        decode_s = row["total_s"] - row["ttft_ms"] / 1e3
+        row["decode_tok_s"] = b * (new - 1) / decode_s if decode_s > 0 else None  # (CPU noise)
+        if want is not None:
+            row["same_tokens"] = (out == want).all(-1).float().mean().item()
+        g = getattr(model, "_forge_graphs", None)
+        if g is not None:
+            st = g.stats
+            why = {k: v for k, v in st.why.items() if "generate" in k or "decoding" in k}
+            row["note"] = f"decode steps replayed {st.decode_replayed}, captures {st.decode_captures}" + (
+                f", uncaptured {why}" if why else "")
+        return row, out
+    except Exception as e:  # noqa: BLE001 - report, do not hide
+        row["note"] = f"failed: {type(e).__name__}: {e}"[:300]
+        return row, None
+    finally:
+        _teardown(model)
+
+
+def _plot(rows, path, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cases = sorted({(r["batch"], r["prompt"]) for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    width = 0.8 / len(VARIANTS)
+    for j, v in enumerate(VARIANTS):
+        for ax, key in zip(axes, ("tok_s", "ttft_ms", "peak_MiB")):
+            vals = [next((r.get(key) or 0 for r in rows if (r["batch"], r["prompt"]) == c and r["variant"] == v), 0)
+                    for c in cases]
+            ax.bar([i + j * width for i in range(len(cases))], vals, width, label=v)
+    for ax, label in zip(axes, ("tokens/s", "time to first token (ms)", "peak memory (MiB)")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels([f"b{b} p{p}" for b, p in cases])
+        ax.set_ylabel(label)
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompts", default="128,1024")
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--reps", type=int, default=2, help="timed full generate() calls per case")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default=None, help=f"result folder (default {bc.RESULTS})")
+    p.add_argument("--quick", action="store_true", help="tiny preset on CPU, a few seconds")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.model, a.batches, a.prompts, a.new, a.reps = "tiny", "2", "8", 4, 1
+    if a.out:
+        bc.RESULTS = Path(a.out)
+    variants = [v.strip() for v in a.variants.split(",")]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variants {bad}; known: {VARIANTS}")
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = build(a.model, dtype, dev).eval()
+    model.generation_config.eos_token_id = None  # random weights: every run decodes all --new tokens
+    vocab = PRESETS[a.model]["vocab_size"]
+    rows = []
+    for b in (int(x) for x in a.batches.split(",")):
+        for plen in (int(x) for x in a.prompts.split(",")):
+            g = torch.Generator().manual_seed(b * 7919 + plen)
+            ids = torch.randint(1, vocab, (b, plen), generator=g).to(dev)
+            mask = torch.ones_like(ids)
+            want, case = None, []
+            for v in bc.progress(variants, f"b{b} p{plen}"):
+                row, out = run_case(model, v, ids, mask, a.new, a.reps, a.quick, want)
+                if v == "eager":
+                    want = out
+                case.append(row)
+            base = next((r for r in case if r["variant"] == "eager" and r.get("tok_s")), None)
+            for r in case:
+                if base and r.get("tok_s"):
+                    r["speedup"] = r["tok_s"] / base["tok_s"]
+            rows += case
+    title = f"generate(): {a.model}, {a.new} new tokens, {dev.type} {str(dtype).split('.')[-1]}"
+    print(title)
+    bc.print_table(rows, COLUMNS)
+    jpath, cpath = bc.write_results(f"bench_generate-{a.model}", rows, {"args": vars(a), "title": title})
+    png = _plot(rows, jpath.with_suffix(".png"), title)
+    print(f"wrote {jpath}\n      {cpath}" + (f"\n      {png}" if png else ""))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""generate() with captured decoding steps: installed by ``forge.patch(model, mode="infer",
+graphs=True)`` (the runtime, ``decode_runtime.py``, captures and replays; this module decides
+when, and owns the static caches). docs/generate.md is the user's page.
+
+Three instance attributes of the ``*ForCausalLM`` are taken over (``forge.unpatch`` restores
+them, which frees the graphs and the caches):
+
+- ``generate``: marks the call as one forge may serve, and forgets its cache when it returns;
+- ``_prepare_cache_for_generation`` (transformers' own step that picks generate's KV cache, same
+  signature in 5.17 and 5.24): after transformers has resolved the generation config, the batch
+  size and the cache length, forge hands generate a ``transformers.StaticCache`` of its own in
+  place of the empty ``DynamicCache`` (and turns off transformers' automatic torch.compile,
+  which a static cache would start), or declines with the reason counted in
+  ``model._forge_graphs.stats.why`` as ``"generate: <reason>"`` and generate runs as before;
+- ``forward``: a call with that cache and one new token per sequence is a decoding step: it
+  replays the step's graph (``decode_runtime.CachedSteps``); any other call (the prefill, a call
+  outside generate) runs the forward as patched.
+
+Static caches are kept between calls, one per batch size (at most ``MAX_CACHES``, least recently
+used dropped), sized to the call's length rounded up to ``BUCKET`` tokens. A later call that
+needs more grows the cache (a new, larger one, captured again); a call needing less than half
+of it gets a new smaller one (every step attends over the whole cache). Nothing is truncated.
+
+The prefill runs uncaptured into the static cache (forge's kernels, as ``graphs=False``): the
+layer graphs take no attention mask and write a DynamicCache, and generate's prefill has a mask
+for a static cache; it is one forward per generate call.
+"""
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+
+import torch
+from torch import nn
+
+from .._gated_mlp import _any_autocast
+from . import decode_runtime as rt
+
+BUCKET = 256  # static cache lengths are multiples of this
+MAX_CACHES = 4  # static caches kept (one per batch size)
+CAPTURABLE = ("triton",)  # backends whose kernels launch on torch's stream (JAX's Pallas calls do not, yet)
+ATTN_OK = ("sdpa", "eager")
+MODES = ("greedy_search", "sample")
+CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
+_STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
+                          "return_dict", "output_attentions", "output_hidden_states"})
+_module_mod = nn.modules.module
+
+
+def why_not(root, backends) -> str | None:
+    """Why the decoding path cannot be installed on ``root``, or None."""
+    bad = sorted(k for k, b in backends.items() if b not in CAPTURABLE)
+    if bad:
+        return (f"forge's {', '.join(bad)} kernel(s) run on {backends[bad[0]]!r}, whose calls a CUDA graph "
+                f"cannot capture yet (capturable: {CAPTURABLE})")
+    cls = type(root)
+    if not all(callable(getattr(cls, n, None)) for n in ("generate", "_prepare_cache_for_generation")):
+        return f"{cls.__name__} has no transformers generate() with _prepare_cache_for_generation"
+    for name in ("forward", "generate", "_prepare_cache_for_generation"):
+        if name in root.__dict__:
+            return f"{cls.__name__}.{name} is already replaced on the instance (by another library)"
+    try:
+        from transformers import StaticCache  # noqa: F401
+    except ImportError:
+        return "this transformers has no StaticCache"
+    return None
+
+
+def install(root, graphs, p):
+    """Take over ``root``'s generate, _prepare_cache_for_generation and forward (records in
+    ``p``, restored by unpatch); returns the Decoder, or None with the reason in
+    ``_forge_skipped["decode"]``."""
+    why = why_not(root, p.backends())
+    if why is not None:
+        p.skip("decode", why)
+        return None
+    d = Decoder(root, graphs)
+    cls = type(root)
+
+    @functools.wraps(cls.forward)  # generate reads the forward's signature
+    def forward(self, *args, **kwargs):
+        out = d.step(self, args, kwargs)
+        return out if out is not None else cls.forward(self, *args, **kwargs)
+
+    @functools.wraps(cls.generate)
+    def generate(self, *args, **kwargs):
+        return d.generate(self, args, kwargs)
+
+    @functools.wraps(cls._prepare_cache_for_generation)
+    def prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *a, **k):
+        given = any(model_kwargs.get(n) is not None for n in CACHE_NAMES)
+        out = cls._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                                max_cache_length, *a, **k)
+        d.offer(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, given)
+        return out
+
+    p.replace_forward(root, "decode", types.MethodType(forward, root))
+    p.replace_method(root, "generate", types.MethodType(generate, root))
+    p.replace_method(root, "_prepare_cache_for_generation", types.MethodType(prepare_cache, root))
+    return d
+
+
+class Decoder:
+    """Per patched model: its static caches with their captured steps, and the generate call in
+    flight."""
+
+    def __init__(self, root, graphs):
+        self.root = root
+        self.graphs = weakref.proxy(graphs)  # graphs holds this object: no reference cycle
+        self.slots: dict[int, rt.CachedSteps] = {}  # batch size -> its cache; least recently used first
+        self.armed = False  # inside a generate() call of root
+        self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
+        self.cache_name = None
+        self._mods = list(root.modules())
+
+    # -- generate() ----------------------------------------------------------------------------
+    def generate(self, model, args, kwargs):
+        if model is not self.root or self.armed:
+            return type(model).generate(model, *args, **kwargs)
+        self.armed = True
+        try:
+            return type(model).generate(model, *args, **kwargs)
+        finally:
+            self.armed, self.slot, self.cache_name = False, None, None
+
+    def offer(self, model, cfg, model_kwargs, mode, batch_size, max_cache_length, given):
+        if model is not self.root or not self.armed or self.slot is not None:
+            return
+        why = self._why_not(cfg, model_kwargs, mode, given)
+        if why is not None:
+            self.graphs.stats.count("generate: " + why)
+            return
+        name = next((n for n in CACHE_NAMES if type(model_kwargs.get(n)) is self.graphs._dynamic_cache), None)
+        if name is None:
+            self.graphs.stats.count("generate: transformers prepared no DynamicCache to stand in for")
+            return
+        slot = self._slot(batch_size * max(cfg.num_beams or 1, cfg.num_return_sequences or 1), max_cache_length)
+        slot.reset()
+        model_kwargs[name] = slot.cache
+        cfg.disable_compile = True  # generate's own config copy: no torch.compile of the forward
+        self.slot, self.cache_name = slot, name
+
+    def _why_not(self, cfg, model_kwargs, mode, given):
+        if given:
+            return "a cache passed by the caller"
+        if cfg.cache_implementation is not None:
+            return f"cache_implementation={cfg.cache_implementation!r}"
+        if cfg.use_cache is False:
+            return "use_cache=False"
+        mode = getattr(mode, "value", str(mode))
+        if mode not in MODES:
+            return f"generation mode {mode} (captured: {', '.join(MODES)})"
+        for flag in ("output_attentions", "output_hidden_states"):
+            if getattr(cfg, flag, False) or getattr(self.root.config, flag, False):
+                return flag
+        if getattr(cfg, "prefill_chunk_size", None) is not None:
+            return "prefill_chunk_size"
+        why = rt.BACKEND.why_not(self.root.device)
+        if why is not None:
+            return why
+        attn = getattr(self.root.config, "_attn_implementation", None)
+        if attn not in ATTN_OK:
+            return f"attention implementation {attn!r} not in {ATTN_OK}"
+        if _any_autocast():
+            return "autocast"
+        if torch.compiler.is_compiling():
+            return "torch.compile"
+        if self._hooked():
+            return "module hooks"
+        return None
+
+    def _hooked(self) -> bool:
+        """Forward hooks a replay would skip (root's own run around its forward). transformers'
+        output-capturing hooks, installed for good the first time hidden states or attentions
+        are asked for, do nothing in a call that asks for neither (such calls are declined)."""
+        if _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks:
+            return True
+        for m in self._mods[1:]:
+            if m._forward_pre_hooks or any(getattr(h, "__name__", "") != "output_capturing_hook"
+                                           for h in m._forward_hooks.values()):
+                return True
+        return False
+
+    def _slot(self, batch, needed):
+        from transformers import StaticCache
+
+        cap = -(-needed // BUCKET) * BUCKET
+        slot = self.slots.pop(batch, None)
+        if slot is not None and not needed <= slot.capacity <= 2 * cap:
+            slot = None  # too short (grows), or twice too long: a new cache, captured again
+        if slot is None:
+            while len(self.slots) >= MAX_CACHES:
+                self.slots.pop(next(iter(self.slots)))
+            slot = rt.CachedSteps(StaticCache(config=self.root.config, max_cache_len=cap), batch, cap)
+            self.graphs.stats.decode_caches += 1
+        self.slots[batch] = slot  # most recently used last
+        return slot
+
+    # -- forward() -----------------------------------------------------------------------------
+    def step(self, model, args, kwargs):
+        """A decoding step's output (replayed, or run uncaptured with the reason counted), or None
+        when the call is not a decoding step of the generate call in flight."""
+        slot = self.slot
+        if slot is None or model is not self.root or args or kwargs.get(self.cache_name) is not slot.cache:
+            return None
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return None  # the prefill: the layers' graphs decide
+        g = self.graphs
+        sig, why = self._signature(kwargs, ids, slot)
+        g.paused = True
+        try:
+            out = None
+            if why is None:
+                out, why = slot.run(functools.partial(type(model).forward, model), kwargs, sig, rt.BACKEND, g, g.stats)
+                if why is None:
+                    return out
+            g.stats.uncaptured += 1
+            g.stats.count("decoding step: " + why)
+            return out if out is not None else type(model).forward(model, **kwargs)
+        finally:
+            g.paused = False
+
+    def _signature(self, kwargs, ids, slot):
+        extra = kwargs.keys() - _STEP_KWARGS - {self.cache_name}
+        if extra:
+            return None, f"arguments {sorted(extra)}"
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            return None, "output_attentions or output_hidden_states"
+        if kwargs.get("use_cache") is False:
+            return None, "use_cache=False"
+        pos = kwargs.get("position_ids")
+        if ids.shape[0] != slot.batch or not isinstance(pos, torch.Tensor) or pos.shape != ids.shape:
+            return None, "input_ids or position_ids not (batch, 1)"
+        keep = kwargs.get("logits_to_keep", 0)
+        if not isinstance(keep, int):
+            return None, "logits_to_keep not an int"
+        mask = rt.mask_signature(kwargs.get("attention_mask"))
+        if mask is None:
+            return None, "attention mask not a tensor or a dict of tensors"
+        if slot.full_window():
+            return None, "a sliding window is full (transformers' rolling update runs uncaptured)"
+        return (mask, keep, ids.dtype, pos.dtype, kwargs.get("return_dict"), kwargs.get("use_cache")), None

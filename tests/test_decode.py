@@ -1,0 +1,328 @@
+"""generate() with its decoding steps captured on a static KV cache (``forge.patch(model,
+mode="infer", graphs=True)``, forge/patching/decode.py and decode_runtime.py).
+
+On the CPU the CUDA graph is replaced by a stand-in (``_FakeGraphs``) whose capture runs the
+step and whose replay runs it again on the static buffers, so everything around the graph runs
+as on a GPU: the static cache handed to generate, the static inputs, the counters a capture
+must put back, the warm-up, the fallbacks and their reasons, cache growth and unpatch. Under
+-m gpu the same checks run with real CUDA graphs at the Qwen2.5-0.5B widths in bf16.
+
+Correctness rule (as tests/test_models.py's generate test): the logits of every decoding step,
+teacher-forced along both continuations (eager's and forge's) through generate itself, meet the
+oracle against a float64 (CPU) / float32 (GPU) copy; forge's tokens equal eager's up to the first
+step where eager's top two logits are within twice the forge-vs-eager logit error.
+"""
+from __future__ import annotations
+
+from forge import _runtime
+
+_runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import forge  # noqa: E402
+from forge.__main__ import build_model  # noqa: E402
+from forge.patching import decode, decode_runtime  # noqa: E402
+from forge.spec import tolerance  # noqa: E402
+
+ARCHS = ["qwen2", "qwen3", "gemma", "gemma2"]
+NONE = ["fused_linear_ce"]  # infer mode declines it: no kernel patched, graphs and decode still installed
+
+
+class _FakeGraph:
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+class _FakeGraphs:
+    """Stands in for decode_runtime.CudaGraphs on the CPU."""
+
+    @staticmethod
+    def why_not(device):
+        return None
+
+    @staticmethod
+    def warm(fn, owner, dev):
+        return fn()
+
+    @staticmethod
+    def capture(fn, owner, dev):
+        out = fn()
+        return _FakeGraph(fn, out), out
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    monkeypatch.setattr(decode_runtime, "BACKEND", _FakeGraphs())
+    monkeypatch.setattr(decode, "BUCKET", 8)  # small caches: growth shows at tiny lengths
+
+
+def _model(model_type, shape="cpu", dtype=torch.float32, device="cpu", **kw):
+    if model_type == "gemma2":
+        kw.setdefault("sliding_window", 6)  # a window filled within the test: its uncaptured steps run too
+    attn = "eager" if model_type == "gemma2" else "sdpa"  # transformers 5.24 refuses sdpa for gemma2
+    return build_model(model_type, shape, dtype=dtype, device=device, attn_implementation=attn, **kw).eval()
+
+
+def _prompt(model, b, s, device, seed=5, pad=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, model.config.vocab_size, (b, s), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    if b > 1 and pad:
+        mask[0, : s // 3] = 0  # left padding in the first row
+        ids[0, : s // 3] = 0
+    return ids, mask
+
+
+class _Force:
+    """A logits processor that makes generate pick ``seq``'s next token (teacher forcing through
+    generate, so the logits recorded are those of its decoding steps)."""
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    def __call__(self, input_ids, scores):
+        nxt = self.seq[:, input_ids.shape[1]]
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, nxt[:, None].to(out.device), 0.0)
+
+
+def _forced_logits(model, ids, mask, seq):
+    from transformers import LogitsProcessorList
+
+    new = seq.shape[1] - ids.shape[1]
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                         logits_processor=LogitsProcessorList([_Force(seq)]), output_logits=True,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences.cpu(), seq.cpu())
+    return torch.stack(out.logits, 1).float()  # (B, new, V)
+
+
+def _check_generate(model, ids, mask, new, dtype, ref_dtype, **patch_kw):
+    """Patch ``model``, generate greedily with and without forge, and apply the rule."""
+    eager_model = copy.deepcopy(model)
+    ref_model = copy.deepcopy(model).to(ref_dtype)
+    kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = eager_model.generate(ids, **kw)
+        forge.patch(model, mode="infer", **patch_kw)
+        got = model.generate(ids, **kw)
+        logits = {}
+        for name, seq in (("eager's", want), ("forge's", got)):
+            p, e, r = (_forced_logits(m, ids, mask, seq) for m in (model, eager_model, ref_model))
+            k = max(model.config.vocab_size, model.config.intermediate_size, seq.numel())
+            tolerance.assert_close(f"logits along {name} continuation", p, r, e, dtype, k)
+            logits[name] = (p, e)
+    b, p0 = ids.shape[0], ids.shape[1]
+    (pw, ew), (pg, eg) = logits["eager's"], logits["forge's"]
+    chosen = eg.gather(-1, got[:, p0:, None]).squeeze(-1)  # eager's logit of forge's pick
+    err_g = (pg - eg).abs().amax(-1)
+    assert (chosen >= eg.amax(-1) - 2 * err_g).all(), "forge picked a token eager rates far below its best"
+    top2 = ew.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * (pw - ew).abs().amax(-1)
+    for row in range(b):
+        n = int(clear[row].long().cumprod(0).sum())  # leading steps eager itself can call
+        assert torch.equal(got[row, p0: p0 + n], want[row, p0: p0 + n]), (row, n, got, want)
+    return want, got
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the decoding path around a stand-in graph
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_greedy_left_padded_batch_matches_eager(model_type, fake_graphs):
+    model = _model(model_type)
+    # gemma2's float64 reference turns a padded row into NaN (its fully masked rows become -inf
+    # in the float32 softmax), so its padded case runs under -m gpu (float32 reference) only
+    ids, mask = _prompt(model, 2, 5, "cpu", pad=model_type != "gemma2")
+    _check_generate(model, ids, mask, 6, torch.float32, torch.float64, kernels=NONE, graphs=True)
+    st = model._forge_graphs.stats
+    assert model._forge_patched_counts.get("decode") == 1
+    # five decoding steps per generate call (the first token comes from the prefill); the first
+    # call warms up twice and captures at its third step; the forced runs replay from then on
+    assert st.decode_captures == 1 and st.decode_caches == 1, st
+    assert st.why["decoding step: warm-up before capture"] == decode_runtime.WARMUP, st
+    full = st.why.get("decoding step: a sliding window is full (transformers' rolling update runs uncaptured)", 0)
+    if model_type == "gemma2":  # window 6: steps from cache length 6 on run uncaptured
+        assert full > 0 and st.decode_replayed > 0, st
+    else:
+        assert full == 0 and st.decode_replayed == 5 * 3 - decode_runtime.WARMUP, st
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter; on a CUDA "
+                    "machine the gpu-marked cases run the compiled kernels inside real graphs")
+def test_forge_kernels_run_inside_the_captured_step(fake_graphs):
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 2, 4, "cpu")
+    _check_generate(model, ids, mask, 4, torch.float32, torch.float64, backend="triton", graphs=True)
+    assert model._forge_graphs.stats.decode_replayed > 0
+    gs = model._forge_guard_stats
+    for key in ("rmsnorm", "swiglu", "rope"):
+        assert gs.fused(key) > 0, gs  # the capture fuses every size (the guard would fall back here)
+
+
+def test_sampling_with_a_seed(fake_graphs):
+    model = _model("qwen3")
+    ids, mask = _prompt(model, 3, 5, "cpu")
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=0.7, top_k=5, top_p=0.9,
+              pad_token_id=0)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(model.generate(ids, **kw))
+    assert torch.equal(runs[0], runs[1]), "the same seed gave different samples"
+    seq = runs[0]
+    assert seq.shape == (3, 11) and torch.equal(seq[:, :5], ids)
+    assert model._forge_graphs.stats.decode_replayed > 0
+    # every sampled token is among the top 5 of eager's logits at its step (top_k=5)
+    logits = _forced_logits(eager_model, ids, mask, seq)
+    top = logits.topk(5, dim=-1).indices
+    assert (top == seq[:, 5:, None]).any(-1).all()
+
+
+def test_max_new_tokens_beyond_the_cache_grows_it(fake_graphs):
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 2, 5, "cpu")
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    st, d = model._forge_graphs.stats, model._forge_graphs.decode
+    for new, caches, capacity in ((3, 1, 8), (3, 1, 8), (20, 2, 24), (3, 3, 8)):
+        kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        got, want = model.generate(ids, **kw), eager_model.generate(ids, **kw)
+        assert got.shape == want.shape == (2, 5 + new)
+        assert torch.equal(got, want)
+        # 5 + 20 tokens do not fit the 8 of the first cache: a new one of 24; back to 3 new
+        # tokens, 24 is over twice too long: a new one of 8
+        assert st.decode_caches == caches and d.slots[2].capacity == capacity, (new, st)
+
+
+def test_calls_the_path_cannot_serve_run_as_before(fake_graphs):
+    from transformers import DynamicCache
+
+    model = _model("gemma")
+    ids, mask = _prompt(model, 2, 5, "cpu")
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    st = model._forge_graphs.stats
+    base = dict(attention_mask=mask, max_new_tokens=3, pad_token_id=0)
+    cases = [
+        ({"past_key_values": DynamicCache(config=model.config)}, "generate: a cache passed by the caller"),
+        ({"num_beams": 2, "do_sample": False},
+         "generate: generation mode beam_search (captured: greedy_search, sample)"),
+        ({"use_cache": False}, "generate: use_cache=False"),
+        ({"output_hidden_states": True, "return_dict_in_generate": True}, "generate: output_hidden_states"),
+    ]
+    for extra, why in cases:
+        kw = {**base, **extra}
+        if "past_key_values" in kw:  # a cache is consumed: one each
+            want = eager_model.generate(ids, **{**kw, "past_key_values": DynamicCache(config=model.config)})
+        else:
+            want = eager_model.generate(ids, **kw)
+        got = model.generate(ids, **kw)
+        got, want = (getattr(x, "sequences", x) for x in (got, want))
+        assert torch.equal(got, want), why
+        assert st.why.get(why) == 1, (why, st)
+    assert st.decode_replayed == st.decode_captures == st.decode_caches == 0
+    # transformers' output-capturing hooks (installed for good by the hidden states asked for
+    # above) do nothing in a plain call: it is served; a hook of the user's is not
+    assert torch.equal(model.generate(ids, **base), eager_model.generate(ids, **base))
+    assert st.decode_caches == 1 and "generate: module hooks" not in st.why
+    h = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    model.generate(ids, **base)
+    h.remove()
+    assert st.why.get("generate: module hooks") == 1
+
+
+def test_unpatch_restores_generate():
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 2, 5, "cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    taken = {"forward", "generate", "_prepare_cache_for_generation"}
+    assert taken <= model.__dict__.keys()
+    # no CUDA here: generate runs as before, the reason counted (and the layer graphs count its
+    # three decoder passes, a padded mask each)
+    assert torch.equal(model.generate(ids, **kw), want)
+    assert model._forge_graphs.stats.why == {"generate: the model is on cpu, CUDA graphs need a CUDA device": 1,
+                                             "attention mask": 3}
+    # a deep copy's methods are bound to the copy, which is not the model forge serves: as before
+    dup = copy.deepcopy(model)
+    assert torch.equal(dup.generate(ids, **kw), want) and dup._forge_graphs is model._forge_graphs
+    assert sum(model._forge_graphs.stats.why.values()) == 4  # nothing of the copy's is counted
+    forge.unpatch(model)
+    assert not taken & model.__dict__.keys() and not hasattr(model, "_forge_graphs")
+    assert torch.equal(model.generate(ids, **kw), want)
+    # train mode keeps generate as it is (the fused loss takes the forward)
+    forge.patch(model, kernels=NONE, graphs=True)
+    assert "generate" not in model.__dict__ and model._forge_graphs.decode is None
+
+
+def test_decode_declines_kernels_it_cannot_capture():
+    model = _model("qwen2")
+    why = decode.why_not(model, {"rmsnorm": "triton", "rope": "pallas"})
+    assert why and "rope" in why and "'pallas'" in why
+    assert decode.why_not(model, {"rmsnorm": "triton"}) is None
+    model.generate = model.generate  # someone else's instance attribute: left alone
+    assert "already replaced" in decode.why_not(model, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real CUDA graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_greedy_generate_gpu(model_type, graphs):
+    # gemma2's window of 40 fills at the prompt's 32 + 8th new token: both kinds of step run
+    model = _model(model_type, "qwen05b", torch.bfloat16, "cuda", **({"sliding_window": 40} if model_type == "gemma2"
+                                                                     else {}))
+    ids, mask = _prompt(model, 2, 32, "cuda")
+    _check_generate(model, ids, mask, 16, torch.bfloat16, torch.float32, backend="triton", graphs=graphs)
+    if graphs:
+        st = model._forge_graphs.stats
+        assert st.decode_captures == 1 and st.decode_replayed > 0, st
+        assert not [w for w in st.why if "capture failed" in w], st
+
+
+@pytest.mark.gpu
+def test_sampling_and_batch_sizes_gpu():
+    model = _model("qwen2", "gpu_demo", torch.bfloat16, "cuda")
+    forge.patch(model, mode="infer", backend="triton", graphs=True)
+    st = model._forge_graphs.stats
+    for b in (1, 3, 8):
+        ids, mask = _prompt(model, b, 16, "cuda", seed=b)
+        torch.manual_seed(0)
+        a = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20, top_p=0.9,
+                           temperature=0.8, pad_token_id=0)
+        torch.manual_seed(0)
+        c = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20, top_p=0.9,
+                           temperature=0.8, pad_token_id=0)
+        assert torch.equal(a, c) and a.shape == (b, 28) and int(a.max()) < model.config.vocab_size
+    assert st.decode_caches == 3 and st.decode_captures == 3 and st.decode_replayed >= 3 * (2 * 11 - 2), st
+
+
+@pytest.mark.gpu
+def test_unpatch_frees_the_decode_graphs_and_cache():
+    model = _model("qwen2", "gpu_demo", torch.bfloat16, "cuda")
+    ids, mask = _prompt(model, 8, 64, "cuda")
+    forge.patch(model, mode="infer", backend="triton", graphs=True)
+    model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert model._forge_graphs.stats.decode_replayed > 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    forge.unpatch(model)
+    torch.cuda.empty_cache()  # no gc.collect(): nothing may wait for one
+    assert torch.cuda.memory_allocated() < held[0], "unpatch kept the static cache"
+    assert torch.cuda.memory_reserved() < held[1], "unpatch kept the graph pool"
