@@ -39,7 +39,7 @@ from . import decode_runtime as rt
 
 BUCKET = 256  # static cache lengths are multiples of this
 MAX_CACHES = 4  # static caches kept (one per batch size)
-CAPTURABLE = ("triton",)  # backends whose kernels launch on torch's stream (JAX's Pallas calls do not, yet)
+CAPTURABLE = ("triton", "pallas")  # backends whose kernels can launch on torch's stream (see _capturable)
 ATTN_OK = ("sdpa", "eager")
 MODES = ("greedy_search", "sample")
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
@@ -48,12 +48,22 @@ _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_ca
 _module_mod = nn.modules.module
 
 
+def _capturable(backend) -> bool:
+    if backend not in CAPTURABLE:
+        return False
+    if backend == "pallas":  # only its native launch runs on torch's stream (bridge/native.py)
+        from bridge import native
+
+        return native.available()[0]
+    return True
+
+
 def why_not(root, backends) -> str | None:
     """Why the decoding path cannot be installed on ``root``, or None."""
-    bad = sorted(k for k, b in backends.items() if b not in CAPTURABLE)
+    bad = sorted(k for k, b in backends.items() if not _capturable(b))
     if bad:
         return (f"forge's {', '.join(bad)} kernel(s) run on {backends[bad[0]]!r}, whose calls a CUDA graph "
-                f"cannot capture yet (capturable: {CAPTURABLE})")
+                f"cannot capture here (capturable: Triton, and Pallas where it launches natively on torch's stream)")
     cls = type(root)
     if not all(callable(getattr(cls, n, None)) for n in ("generate", "_prepare_cache_for_generation")):
         return f"{cls.__name__} has no transformers generate() with _prepare_cache_for_generation"
