@@ -42,9 +42,9 @@ class CudaGraphs:
 
     @staticmethod
     def _stream(owner, dev):
-        side = owner.streams.get(dev)
-        if side is None:
-            side = owner.streams[dev] = torch.cuda.Stream(device=dev)
+        from .graphs import capture_stream  # the process's one capture stream per device
+
+        side = capture_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         return side
 
