@@ -257,9 +257,10 @@ class _Bridged(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[2:])
         grads = tuple(_prepare(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
         args = (tuple(saved[:n]), tuple(saved[n:]), grads)
-        p = native.plan(kdef, "bwd", (ctx.skey, needs), kdef.py_fn("bwd", ctx.skey, needs), args)
+        leaves = native._leaves(args)
+        p = native.plan(kdef, "bwd", (ctx.skey, needs), kdef.py_fn("bwd", ctx.skey, needs), args, leaves)
         if p is not None:
-            dins = p(native._leaves(args))
+            dins = p(leaves)
         else:
             jx = tuple(None if t is None else to_jax(t, i, kdef.name) for i, t in enumerate(saved[:n]))
             res = tuple(to_jax(r) for r in saved[n:])

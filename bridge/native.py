@@ -663,22 +663,24 @@ def _leaves(args):
     return out
 
 
-def plan(kdef, which: str, skey, fn, args: tuple):
+def plan(kdef, which: str, skey, fn, args: tuple, leaves=None):
     """The plan of ``fn`` (``kdef``'s pass ``which`` with its static arguments ``skey`` bound)
     on the positional ``args`` (torch tensors, None, or tuples of them), or None when it cannot
     run natively (the reason in :func:`status`). Built on first use per shape, then cached.
-    Call it as ``plan(flat)`` with the non-None tensors of ``args`` in order."""
+    Call it as ``plan(flat)`` with the non-None tensors of ``args`` in order (``leaves``, if the
+    caller has them already)."""
     if which == "fwd":  # flat tensors: the cheap signature
         if not args:
             return None
         dev = args[0].device
         key = (kdef.name, which, skey, dev, tuple([(t.shape, t.dtype) for t in args]))
-    else:
-        first = next(iter(_leaves(args)), None)
-        if first is None:
+    else:  # (inputs, residuals, grads): the leaves' signature and where the Nones are
+        leaves = _leaves(args) if leaves is None else leaves
+        if not leaves:
             return None
-        dev = first.device
-        key = (kdef.name, which, skey, dev, _sig(args))
+        dev = leaves[0].device
+        nones = tuple(tuple([x is None for x in a]) if isinstance(a, tuple) else a is None for a in args)
+        key = (kdef.name, which, skey, dev, nones, tuple([(t.shape, t.dtype) for t in leaves]))
     hit = _PLANS.get(key)
     if hit is not None:
         return hit or None
@@ -687,7 +689,7 @@ def plan(kdef, which: str, skey, fn, args: tuple):
         if not ok or (dev.type != "cuda" and launcher() == "triton"):
             return None
         try:
-            p = _build(fn, _aval(args), (kdef.name, which, repr(skey), repr(key[4]), _gpu_kind()))
+            p = _build(fn, _aval(args), (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind()))
         except Unsupported as e:
             _decline(kdef.name, which, str(e))
             p = False
