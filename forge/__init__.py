@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import ops  # noqa: E402  (the backend registry; imports no backend)
 from .errors import BackendUnavailableError, UnsupportedModelError  # noqa: E402
 
 # Per-call guard defaults: the activation elements (rows x width) from which a shape-sensitive
@@ -76,6 +77,15 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
                   recompute_mlp=recompute_mlp)
 
 
+def report(model):
+    """What runs where in a patched model: per kernel its backend, the modules patched, the
+    guard's fused and fallback calls since the patch, and why a kernel was skipped.
+    ``print(forge.report(model))`` shows a table; ``.kernels[key]`` and ``.as_dict()`` the data."""
+    from .patching.core import report as _report
+
+    return _report(model)
+
+
 def unpatch(model):
     """Restore every original forward (outputs bit-identical to before); no-op if unpatched."""
     from .patching.core import unpatch as _unpatch
@@ -89,6 +99,8 @@ __all__ = [
     "NEVER",
     "UnsupportedModelError",
     "__version__",
+    "ops",
     "patch",
+    "report",
     "unpatch",
 ]

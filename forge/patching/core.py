@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import types
 
 from torch import nn
@@ -36,10 +37,12 @@ from torch import nn
 from .. import errors, ops
 from ..spec import KERNELS
 from . import arch as _arch
+from . import copying
 from . import forwards as fw
 from . import graphs as _graphs
+from . import report as _report
 from .guard import GuardStats
-from .patcher import TRAIN_ONLY, Patcher, restore
+from .patcher import LAYER_KEYS, TRAIN_ONLY, Patcher, restore
 
 MODES = ("train", "infer")
 LORA_KEYS = ("lora_qkv", "lora_mlp")
@@ -51,6 +54,20 @@ class _State:
     args: tuple
     records: list
     chain: list
+    call: dict      # forge.patch's arguments, to patch a copy the same way (copying.py)
+    info: "_Info"
+    public: tuple   # the values of _PUBLIC
+
+
+@dataclasses.dataclass
+class _Info:
+    """What one patch decided, for forge.report and the log."""
+    mode: str
+    counts: dict
+    skipped: dict
+    backends: dict
+    thresholds: dict
+    interpreted: dict  # backend -> runs in its interpreter here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,16 +102,29 @@ def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp
     for k, b in backend.items():
         if b not in choices:
             raise ValueError(f"backend for {k!r} must be one of {choices}, got {b!r}")
-    if min_elements is not None:
-        vals = min_elements.items() if isinstance(min_elements, dict) else [("min_elements", min_elements)]
-        for k, v in vals:
-            if isinstance(min_elements, dict) and k not in KERNELS:
-                raise ValueError(f"min_elements: unknown kernel key {k!r}; known: {KERNELS}")
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"min_elements must be None, a non-negative int or a dict of them, got {v!r}")
-        if isinstance(min_elements, dict):
-            min_elements = dict(min_elements)
+    if isinstance(min_elements, dict):
+        bad = [k for k in min_elements if k not in KERNELS]
+        if bad:
+            raise ValueError(f"min_elements: unknown kernel key(s) {bad}; known: {KERNELS}")
+        min_elements = {k: _count_arg(v) for k, v in min_elements.items()}
+    elif min_elements is not None:
+        min_elements = _count_arg(min_elements)
     return mode, backend, min_elements, tuple(requested), graphs, recompute_mlp, explicit
+
+
+def _count_arg(v) -> int:
+    """An integer-like min_elements value (int, numpy or torch integer) as a plain int."""
+    if not isinstance(v, bool):
+        try:
+            v = operator.index(v)
+        except TypeError:
+            pass
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"min_elements must be None, a non-negative integer or a dict of them, "
+                        f"got {v!r} ({type(v).__name__})")
+    if v < 0:
+        raise ValueError(f"min_elements must be non-negative, got {v}")
+    return v
 
 
 def _unwrap(model):
@@ -148,18 +178,23 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     state = root.__dict__.get("_forge_state")
     if state is not None:
         if state.args == args[:6]:
+            _publish(state, chain)  # e.g. the wrapper of a copy whose inner model is patched
             return model
         unpatch(model)
     mode, backend_req, min_req, requested, graphs, recompute_mlp, explicit = args
-    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp)
-    # an explicitly named backend that cannot run here is an error, not a skip
+    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp, graphs)
+    # an explicitly named backend that cannot run here, or not on this model, is an error
     for b in sorted({backend_req[k] for k in requested} - {"auto"}):
         ops.require(b)
+        ok, why = ops.fits(b, p.device_types, p.float64)
+        if not ok:
+            raise errors.BackendUnavailableError(why)
     try:
         if mode == "infer":
             for k in TRAIN_ONLY:
                 if k in requested:
-                    p.skip(k, f"mode='infer' declines {k}: it only serves training (a loss or adapter gradients)")
+                    p.skip(k, f"mode='infer' declines {k}: it only serves training (a loss or adapter gradients)",
+                           applies=False)
         _apply_lora(root, p)
         _walk(root, arch, p)
         _apply_fused_ce(root, arch, p)
@@ -167,12 +202,46 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     except BaseException:
         p.restore()
         raise
-    root.__dict__["_forge_state"] = _State(args[:6], p._records, chain)
-    public = (dict(p.counts), dict(p.skipped), p.stats, p.backends(), g)
-    for obj in chain:
-        for name, value in zip(_PUBLIC, public):
-            object.__setattr__(obj, name, value)
+    backends = p.backends()
+    info = _Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
+                 {b: ops.interpreted(b) for b in set(backends.values())})
+    call = dict(mode=mode, backend=backend_req, min_elements=min_req, kernels=requested if explicit else None,
+                graphs=graphs, recompute_mlp=recompute_mlp)
+    state = _State(args[:6], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
+    root.__dict__["_forge_state"] = state
+    _publish(state, chain)
+    if any(info.interpreted.values()):
+        _report.info_once("forge: no CUDA device: the kernels run in their interpreters (on the CPU), which are "
+                          "slow and meant for testing; backend='auto' takes Pallas' (several times faster than "
+                          "Triton's) when jax is importable")
+    _report.log_patch(root, state, p.quiet, _warnings(p, g, info))
     return model
+
+
+def _publish(state, chain):
+    """Set the public attributes on every object of ``chain`` (model -> root) and make each of
+    them copy and pickle as a patched model (copying.py)."""
+    root = chain[-1]
+    rec = next((r for r in state.records if r[0] is root), None)
+    for obj in chain:
+        if not any(o is obj for o in state.chain):
+            state.chain.append(obj)
+            fwd = copying.chain_forward(rec) if obj is root else copying.KEEP
+            copying.install_chain_hooks(obj, fwd, state.call, _PUBLIC + ("_forge_state",))
+        for name, value in zip(_PUBLIC, state.public):
+            object.__setattr__(obj, name, value)
+
+
+def _warnings(p, g, info):
+    """Declines that are no skip: a kernel whose guard never fuses, graphs that never replay."""
+    import forge
+
+    out = [f"forge.patch: {k} on {info.backends[k]} in mode={p.mode!r}: min_elements is forge.NEVER, every call "
+           "runs the original forward (set forge.patch(min_elements=...) to fuse)"
+           for k, t in info.thresholds.items() if t >= forge.NEVER]
+    if g is not None and p.device_types != {"cuda"}:
+        out.append("forge.patch: graphs=True on a model not on a CUDA device: every call runs uncaptured")
+    return out
 
 
 def unpatch(model):
@@ -186,9 +255,16 @@ def unpatch(model):
         return model
     restore(state.records)
     for obj in state.chain:
-        for name in _PUBLIC:
+        for name in _PUBLIC + copying.HOOKS:
             obj.__dict__.pop(name, None)
     return model
+
+
+def report(model):
+    """``forge.report(model)``: per kernel, backend, modules, fused and fallback calls and skip
+    reasons (forge.patching.report.Report); an unpatched model reports ``patched=False``."""
+    _chain, root = _unwrap(model)
+    return _report.build(root, root.__dict__.get("_forge_state"))
 
 
 def guard_stats(model) -> GuardStats:
@@ -210,10 +286,13 @@ def _hf_forward(cls) -> bool:
 
 def _walk(root, arch, p):
     norms, mlps, attns = [], [], []
+    lora_mlps = 0
     for name, mod in root.named_modules():
         cls = type(mod)
         if "forward" in mod.__dict__ or not _hf_forward(cls):
-            continue  # replaced by someone else (e.g. accelerate hooks) or not HF code: leave it
+            # replaced by someone else (e.g. accelerate hooks) or not HF code: leave it
+            lora_mlps += p.is_replaced(mod) and cls.__name__.endswith(_arch.MLP_SUFFIX)
+            continue
         cname, leaf = cls.__name__, name.rpartition(".")[2]
         if cname.endswith(_arch.NORM_SUFFIX) and leaf in arch.norms:
             norms.append(mod)
@@ -222,7 +301,7 @@ def _walk(root, arch, p):
         elif cname.endswith(_arch.ATTN_SUFFIX):
             attns.append(mod)
     _apply_rmsnorm(p, arch, norms)
-    _apply_glu(p, arch, mlps)
+    _apply_glu(p, arch, mlps, lora_mlps)
     _apply_rope(p, arch, attns)
 
 
@@ -256,14 +335,17 @@ def _apply_rmsnorm(p, arch, norms):
         p.skip("rmsnorm", "no RMSNorm module has a 1-D weight and an eps attribute " + str(_arch.EPS_ATTRS))
 
 
-def _apply_glu(p, arch, mlps):
+def _apply_glu(p, arch, mlps, lora_mlps):
     key = arch.glu
     other = "geglu" if key == "swiglu" else "swiglu"
     if p.explicit and p.wants(other):
-        p.skip(other, f"{arch.model_type} uses {key}, not {other}")
+        p.skip(other, f"{arch.model_type} uses {key}, not {other}", applies=False)
     act = getattr(p.model.config, arch.act_attr, None)
     if p.wants(key) and act not in _arch.GLU_ACTS[key]:
         p.skip(key, f"config.{arch.act_attr}={act!r}, but the {key} kernel computes {_arch.GLU_ACTS[key]}")
+    if p.wants(key) and not mlps and lora_mlps:
+        p.skip(key, f"the fused lora_mlp kernel runs all {lora_mlps} MLP modules (its {key} included)",
+               applies=False)
     kernel = _ready(p, key, mlps, "MLP modules")
     if kernel is None:
         return
@@ -285,7 +367,7 @@ def _apply_glu(p, arch, mlps):
 
 def _apply_rope(p, arch, attns):
     if not arch.rope and p.wants("rope"):
-        p.skip("rope", f"{arch.model_type} attention does not use apply_rotary_pos_emb")
+        p.skip("rope", f"{arch.model_type} attention does not use apply_rotary_pos_emb", applies=False)
     kernel = _ready(p, "rope", attns, "attention modules")
     if kernel is None:
         return
@@ -329,7 +411,7 @@ def _apply_lora(root, p):
         return
     if not _has_lora(root):
         for k in wanted:
-            p.skip(k, "the model has no LoRA adapters (no peft LoRA layers)")
+            p.skip(k, "the model has no LoRA adapters (no peft LoRA layers)", applies=False)
         return
     try:
         from . import lora
@@ -349,10 +431,12 @@ def _apply_fused_ce(root, arch, p):
         return
     lm = getattr(root, "lm_head", None)
     decoder = getattr(root, getattr(root, "base_model_prefix", "model"), None)
-    why = None
     if not isinstance(lm, nn.Linear) or not isinstance(decoder, nn.Module):
-        why = f"{type(root).__name__} has no nn.Linear lm_head over a decoder (not a *ForCausalLM)"
-    elif "_loss_function" in root.__dict__ or getattr(root, "loss_type", None) not in (None, "ForCausalLM"):
+        p.skip(key, f"{type(root).__name__} has no nn.Linear lm_head over a decoder (not a *ForCausalLM)",
+               applies=False)
+        return
+    why = None
+    if "_loss_function" in root.__dict__ or getattr(root, "loss_type", None) not in (None, "ForCausalLM"):
         why = "the model has a custom loss function"
     elif "forward" in root.__dict__ or not _hf_forward(type(root)):
         why = f"{type(root).__name__}.forward is not transformers' own"
@@ -381,7 +465,7 @@ def _apply_fused_ce(root, arch, p):
 def _apply_graphs(root, p):
     """Wrap each decoder layer's forward in its graph replay (forge.patching.graphs); returns the
     Graphs object (``model._forge_graphs``), or None with the reason in ``_forge_skipped``."""
-    for key in ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_mlp"):
+    for key in LAYER_KEYS:
         if key in p.counts and p.backend(key) != "triton":
             raise ValueError(
                 f"graphs=True needs the triton backend for the kernels inside the decoder layers; {key!r} "
