@@ -45,8 +45,11 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     ``*ForCausalLM``, bare or wrapped by peft or in a ``.model``), per instance; returns it.
 
     mode: "train" or "infer" (declines fused_linear_ce, lora_qkv, lora_mlp).
-    backend: "auto" (per kernel, triton if it can run it, else pallas), "triton", "pallas", or a
-        dict kernel key -> backend; a named backend that cannot run raises BackendUnavailableError.
+    backend: "auto" (per kernel, the first backend that can run it on this model: triton then
+        pallas with a CUDA device, pallas then triton without one), "triton", "pallas", or a dict
+        kernel key -> backend; a named backend that cannot run this model here (no CUDA for
+        compiled Triton, float64 on Pallas without jax x64, a model on "meta") raises
+        BackendUnavailableError at patch time.
     min_elements: calls of rmsnorm/swiglu/geglu/rope with fewer activation elements run the
         original forward; None = MIN_FUSED_ELEMENTS[backend], 0 = always fused, or a dict per key.
     kernels: restrict to these keys (default: all).
@@ -69,7 +72,9 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     runs when the model is in training mode (``model.train()``) and called with ``labels``: it
     returns ``loss`` with ``logits=None`` (and asks the decoder for no KV cache unless ``use_cache``
     is passed); otherwise (eval, no labels, ``generate()``) logits come out as before. Patching
-    again with the same arguments is a no-op.
+    again with the same arguments is a no-op. ``forge.report(model)`` says what ran; the
+    ``"forge"`` logger gives a summary (INFO) and each decline reason (WARNING, once). A deep copy
+    or a pickled and loaded copy comes back patched, on its own statistics (docs/patching.md).
     """
     from .patching.core import patch as _patch
 

@@ -111,6 +111,11 @@ def test_save_load_of_a_peft_wrapped_model():
     assert loaded._forge_guard_stats.fallback("rmsnorm") == 5
     forge.unpatch(loaded)
     assert not forge_entries(loaded)
+    # deepcopy through peft's wrappers (which forward unknown attributes to the model inside)
+    dup = copy.deepcopy(pm)
+    assert type(dup.base_model) is type(pm.base_model) and dup.get_base_model() is not model
+    assert dup._forge_guard_stats is not pm._forge_guard_stats
+    assert torch.equal(logits(dup, ids), logits(pm, ids)) and dup._forge_guard_stats.fallback("rmsnorm") == 5
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,13 @@ def install_chain_hooks(obj, forward, call, drop) -> None:
     obj.__dict__["__deepcopy__"] = functools.partial(_deepcopy, obj, forward, (call, drop))
 
 
+def install_passthrough_hook(obj) -> None:
+    """On a module between the wrappers and the Hugging Face model that forwards unknown
+    attributes to its child (peft's LoraModel): ``copy.deepcopy`` looks ``__deepcopy__`` up on
+    the instance, and would otherwise be handed the child's hook and copy the child in its place."""
+    obj.__dict__["__deepcopy__"] = functools.partial(_deepcopy, obj, KEEP, (None, ()))
+
+
 def chain_forward(root_record):
     return KEEP if root_record is None else (root_record[2] if root_record[1] else None)
 
@@ -87,7 +94,8 @@ def _deepcopy(obj, forward, chain, memo):
     memo[id(obj)] = y
     if state is not None:
         _set_state(y, copy.deepcopy(state, memo))
-    _patch_copy(y, call)
+    if call is not None:
+        _patch_copy(y, call)
     return y
 
 

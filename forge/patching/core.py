@@ -230,6 +230,13 @@ def _publish(state, chain):
             copying.install_chain_hooks(obj, fwd, state.call, _PUBLIC + ("_forge_state",))
         for name, value in zip(_PUBLIC, state.public):
             object.__setattr__(obj, name, value)
+    path = next((n for n, m in chain[0].named_modules() if m is root), "")
+    obj = chain[0]
+    for part in path.split(".") if path else ():
+        obj = obj._modules[part]
+        if obj is not root and not any(o is obj for o in state.chain):
+            state.chain.append(obj)
+            copying.install_passthrough_hook(obj)
 
 
 def _warnings(p, g, info):
