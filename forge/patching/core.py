@@ -243,9 +243,9 @@ def _warnings(p, g, info):
     """Declines that are no skip: a kernel whose guard never fuses, graphs that never replay."""
     import forge
 
-    out = [f"forge.patch: {k} on {info.backends[k]} in mode={p.mode!r}: min_elements is forge.NEVER, every call "
-           "runs the original forward (set forge.patch(min_elements=...) to fuse)"
-           for k, t in info.thresholds.items() if t >= forge.NEVER]
+    out = [f"forge.patch: {k} on {info.backends[k]} in mode={p.mode!r}: its default min_elements is forge.NEVER "
+           "(forge.MIN_FUSED_ELEMENTS), so every call runs the original forward; forge.patch(min_elements=...) "
+           "fuses" for k, t in info.thresholds.items() if t >= forge.NEVER and not p.min_elements_given(k)]
     if g is not None and p.device_types != {"cuda"}:
         out.append("forge.patch: graphs=True on a model not on a CUDA device: every call runs uncaptured")
     return out

@@ -95,6 +95,10 @@ class Patcher:
             d = d.get(self.mode, 0)  # per-mode defaults
         return int(d.get(key, 0) if isinstance(d, dict) else d)
 
+    def min_elements_given(self, key: str) -> bool:
+        """forge.patch(min_elements=...) set the threshold of ``key`` (else a default)."""
+        return isinstance(self._min_req, int) or (isinstance(self._min_req, dict) and key in self._min_req)
+
     def replace_forward(self, module, key: str, new_forward) -> None:
         rec = self._by_id.get(id(module))
         if rec is None:
@@ -137,6 +141,7 @@ class Patcher:
         return hit
 
     def thresholds(self) -> dict[str, int]:
+        """min_elements of each patched kernel that has a size guard (rmsnorm, swiglu, ...)."""
         return {k: self.min_elements(k) for k in self.counts if k in SHAPE_SENSITIVE}
 
     def backends(self) -> dict[str, str]:

@@ -35,7 +35,8 @@ class KernelReport:
     backend: str | None      # "triton" / "pallas" (None when skipped, and for "graphs")
     interpreted: bool        # the backend runs in its interpreter (CPU)
     modules: int             # modules (call sites) whose forward runs this kernel
-    min_elements: int        # calls with fewer activation elements run the original forward
+    min_elements: int | None  # calls with fewer activation elements run the original forward
+                              # (None: the kernel has no size guard)
     fused: int               # calls that ran the kernel
     fallback: int            # calls that ran the original forward
     skipped: str | None      # why the kernel was declined (None when patched)
@@ -64,7 +65,8 @@ class Report:
                 skips.append(f"  {k.key}: {k.skipped}")
                 continue
             be = (k.backend or "-") + (" (interpreter)" if k.interpreted else "")
-            thr = "never" if k.min_elements >= _never() else str(k.min_elements)
+            thr = ("-" if k.min_elements is None else "never" if k.min_elements >= _never()
+                   else str(k.min_elements))
             rows.append([k.key, be, str(k.modules), thr] + ([str(k.fused), str(k.fallback)] if calls else []))
         w = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
         lines = [f"{self.model} (mode={self.mode})"]
@@ -93,7 +95,7 @@ def build(root, state) -> Report:
     kernels = {}
     for key, n in info.counts.items():
         be = info.backends.get(key)
-        kernels[key] = KernelReport(key, be, info.interpreted.get(be, False), n, info.thresholds.get(key, 0),
+        kernels[key] = KernelReport(key, be, info.interpreted.get(be, False), n, info.thresholds.get(key),
                                     stats.fused(key) if stats else 0, stats.fallback(key) if stats else 0, None)
     for key, why in info.skipped.items():
         if key not in kernels:
