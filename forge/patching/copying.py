@@ -37,6 +37,30 @@ def module_hook(module, had, old):
     return functools.partial(_reduce, module, old if had else None, None)
 
 
+def publish(state, chain, public_names) -> None:
+    """Set a patch's public attributes (``public_names``, values ``state.public``) on every object
+    of ``chain`` (the model patch() was called on -> the Hugging Face model) and give each the
+    hooks that copy and pickle it as a patched model; the modules between them that forward
+    attributes get a plain ``__deepcopy__``. Every object is remembered in ``state.chain`` for
+    unpatch."""
+    root = chain[-1]
+    rec = next((r for r in state.records if r[0] is root), None)
+    for obj in chain:
+        if not any(o is obj for o in state.chain):
+            state.chain.append(obj)
+            fwd = chain_forward(rec) if obj is root else KEEP
+            install_chain_hooks(obj, fwd, state.call, public_names + ("_forge_state",))
+        for name, value in zip(public_names, state.public):
+            object.__setattr__(obj, name, value)
+    path = next((n for n, m in chain[0].named_modules() if m is root), "")
+    obj = chain[0]
+    for part in path.split(".") if path else ():
+        obj = obj._modules[part]
+        if obj is not root and not any(o is obj for o in state.chain):
+            state.chain.append(obj)
+            install_passthrough_hook(obj)
+
+
 def install_chain_hooks(obj, forward, call, drop) -> None:
     """On the model patch() was called on and the wrappers below it: copy unpatched, patch the
     copy with ``call`` (forge.patch's arguments). ``forward``: KEEP, None (forge's, none before)

@@ -55,19 +55,8 @@ class _State:
     records: list
     chain: list
     call: dict      # forge.patch's arguments, to patch a copy the same way (copying.py)
-    info: "_Info"
+    info: _report.Info
     public: tuple   # the values of _PUBLIC
-
-
-@dataclasses.dataclass
-class _Info:
-    """What one patch decided, for forge.report and the log."""
-    mode: str
-    counts: dict
-    skipped: dict
-    backends: dict
-    thresholds: dict
-    interpreted: dict  # backend -> runs in its interpreter here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +167,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     state = root.__dict__.get("_forge_state")
     if state is not None:
         if state.args == args[:6]:
-            _publish(state, chain)  # e.g. the wrapper of a copy whose inner model is patched
+            copying.publish(state, chain, _PUBLIC)  # e.g. the wrapper of a copy whose inner model is patched
             return model
         unpatch(model)
     mode, backend_req, min_req, requested, graphs, recompute_mlp, explicit = args
@@ -203,52 +192,15 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         p.restore()
         raise
     backends = p.backends()
-    info = _Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
+    info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
                  {b: ops.interpreted(b) for b in set(backends.values())})
     call = dict(mode=mode, backend=backend_req, min_elements=min_req, kernels=requested if explicit else None,
                 graphs=graphs, recompute_mlp=recompute_mlp)
     state = _State(args[:6], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
     root.__dict__["_forge_state"] = state
-    _publish(state, chain)
-    if any(info.interpreted.values()):
-        _report.info_once("forge: no CUDA device: the kernels run in their interpreters (on the CPU), which are "
-                          "slow and meant for testing; backend='auto' takes Pallas' (several times faster than "
-                          "Triton's) when jax is importable")
-    _report.log_patch(root, state, p.quiet, _warnings(p, g, info))
+    copying.publish(state, chain, _PUBLIC)
+    _report.log_patch(root, state, p, g)
     return model
-
-
-def _publish(state, chain):
-    """Set the public attributes on every object of ``chain`` (model -> root) and make each of
-    them copy and pickle as a patched model (copying.py)."""
-    root = chain[-1]
-    rec = next((r for r in state.records if r[0] is root), None)
-    for obj in chain:
-        if not any(o is obj for o in state.chain):
-            state.chain.append(obj)
-            fwd = copying.chain_forward(rec) if obj is root else copying.KEEP
-            copying.install_chain_hooks(obj, fwd, state.call, _PUBLIC + ("_forge_state",))
-        for name, value in zip(_PUBLIC, state.public):
-            object.__setattr__(obj, name, value)
-    path = next((n for n, m in chain[0].named_modules() if m is root), "")
-    obj = chain[0]
-    for part in path.split(".") if path else ():
-        obj = obj._modules[part]
-        if obj is not root and not any(o is obj for o in state.chain):
-            state.chain.append(obj)
-            copying.install_passthrough_hook(obj)
-
-
-def _warnings(p, g, info):
-    """Declines that are no skip: a kernel whose guard never fuses, graphs that never replay."""
-    import forge
-
-    out = [f"forge.patch: {k} on {info.backends[k]} in mode={p.mode!r}: its default min_elements is forge.NEVER "
-           "(forge.MIN_FUSED_ELEMENTS), so every call runs the original forward; forge.patch(min_elements=...) "
-           "fuses" for k, t in info.thresholds.items() if t >= forge.NEVER and not p.min_elements_given(k)]
-    if g is not None and p.device_types != {"cuda"}:
-        out.append("forge.patch: graphs=True on a model not on a CUDA device: every call runs uncaptured")
-    return out
 
 
 def unpatch(model):

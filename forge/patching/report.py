@@ -29,6 +29,17 @@ def info_once(message: str) -> None:
         log.info("%s", message)
 
 
+@dataclasses.dataclass
+class Info:
+    """What one patch decided (kept in the model's ``_forge_state``)."""
+    mode: str
+    counts: dict
+    skipped: dict
+    backends: dict
+    thresholds: dict   # min_elements of the patched kernels that have a size guard
+    interpreted: dict  # backend -> runs in its interpreter here
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelReport:
     key: str
@@ -103,16 +114,26 @@ def build(root, state) -> Report:
     return Report(name, True, info.mode, kernels)
 
 
-def log_patch(root, state, quiet_skips, extra_warnings) -> None:
-    """At the end of a patch: the INFO summary, then one WARNING per decline reason not yet
-    warned in this process. ``quiet_skips``: kernels whose skip only says they do not apply (no
-    LoRA adapters, infer mode declining a training kernel, the other GLU) and were not asked for
-    by name; they appear in the summary, not as warnings."""
-    rep = build(root, state)
+def log_patch(root, state, p, graphs) -> None:
+    """At the end of a patch (Patcher ``p``): the INFO summary, then one WARNING per decline
+    reason not yet warned in this process. Kernels whose skip only says they do not apply (no
+    LoRA adapters, infer mode declining a training kernel, the other GLU; ``p.quiet``) and were
+    not asked for by name appear in the summary, not as warnings."""
+    info = state.info
+    if any(info.interpreted.values()):
+        info_once("forge: no CUDA device: the kernels run in their interpreters (on the CPU), which are slow "
+                  "and meant for testing; backend='auto' takes Pallas' (several times faster than Triton's) "
+                  "when jax is importable")
     if log.isEnabledFor(logging.INFO):
-        log.info("forge.patch: %s", rep.table(calls=False))
-    for key, why in state.info.skipped.items():
-        if key not in quiet_skips:
+        log.info("forge.patch: %s", build(root, state).table(calls=False))
+    for key, why in info.skipped.items():
+        if key not in p.quiet:
             warn_once(f"forge.patch: {key} declined: {why}")
-    for why in extra_warnings:
-        warn_once(why)
+    # declines that are no skip: a guard that never fuses by default, graphs that never replay
+    for key, t in info.thresholds.items():
+        if t >= _never() and not p.min_elements_given(key):
+            warn_once(f"forge.patch: {key} on {info.backends[key]} in mode={p.mode!r}: its default min_elements is "
+                      "forge.NEVER (forge.MIN_FUSED_ELEMENTS), so every call runs the original forward; "
+                      "forge.patch(min_elements=...) fuses")
+    if graphs is not None and p.device_types != {"cuda"}:
+        warn_once("forge.patch: graphs=True on a model not on a CUDA device: every call runs uncaptured")
