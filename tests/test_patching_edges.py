@@ -3,7 +3,8 @@ checks at patch time, auto's choice on a CPU, threads in Triton's interpreter, t
 logger and forge.report, argument types, ``forge.ops`` after ``import forge``.
 
 Tiny models; most cases fall back through the guard (``min_elements=NEVER``: the patched
-forwards run and count, the kernels do not) so few interpreted kernels run.
+forwards run and count, the kernels do not) so few interpreted kernels run. On a CUDA machine
+the unmarked (CPU) cases skip (tests/conftest.py) and the gpu-marked case runs.
 """
 from __future__ import annotations
 
@@ -342,3 +343,31 @@ def test_forge_ops_after_plain_import():
                  "print(callable(forge.ops.get), forge.ops.BACKENDS)\n"
                  "print(sorted(m for m in ('forge_triton', 'bridge', 'jax', 'triton') if m in sys.modules))\n")
     assert out.splitlines() == ["True ('triton', 'pallas')", "[]"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the same on a GPU: compiled kernels in copies, and a CPU model refused where Triton compiles
+
+
+@pytest.mark.gpu
+def test_gpu_copies_run_fused_and_a_cpu_model_is_refused():
+    model = build_model("qwen2", device="cuda")
+    forge.patch(model, mode="infer", kernels=["rmsnorm", "rope"], min_elements=0)
+    assert model._forge_backends == {"rmsnorm": "triton", "rope": "triton"}  # auto on CUDA: triton
+    ids = ids_for(model).cuda()
+    want = logits(model, ids)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for dup in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert dup._forge_backends == model._forge_backends
+        assert torch.equal(logits(dup, ids), want)
+        assert dup._forge_guard_stats.as_dict() == {"rmsnorm": {"fused": 5, "fallback": 0},
+                                                    "rope": {"fused": 2, "fallback": 0}}
+    assert model._forge_guard_stats.fused("rmsnorm") == 5  # only its own call
+    cpu_model = build_model("qwen2")
+    with pytest.raises(forge.BackendUnavailableError, match="triton: the model is on cpu, but Triton compiles for CUDA"):
+        forge.patch(cpu_model, backend="triton")
+    forge.patch(cpu_model, mode="infer", kernels=["rmsnorm"])
+    assert cpu_model._forge_patched_counts == {}
+    assert "no backend can run rmsnorm" in cpu_model._forge_skipped["rmsnorm"]
