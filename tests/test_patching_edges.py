@@ -245,8 +245,8 @@ def test_two_threads_in_the_triton_interpreter(qwen2):
     want = [logits(qwen2, ids) for ids in inputs]
     got, errors = [[], []], []
     start = threading.Barrier(2)
-    # a race: without the lock this crashed ("Did you forget to add @triton.jit?") in 7 of 8 runs
-    # after a Pallas test and in every run alone; with it, it can never crash
+    # a race: without the lock this crashed ("Did you forget to add @triton.jit?") in 7 of 8 runs here
+    # (each after a Pallas test); with it, it cannot crash
     N = 30
 
     def work(i):
