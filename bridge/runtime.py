@@ -96,5 +96,19 @@ def require() -> None:
         raise BackendUnavailableError(why)
 
 
+def fits(device_types, float64: bool) -> tuple[bool, str]:
+    """(usable, reason) for Pallas kernels on a model whose parameters live on ``device_types``
+    and, with ``float64``, include float64 ones (JAX would compute those in float32 without x64)."""
+    want = "cpu" if interpret() else "cuda"
+    other = sorted(set(device_types) - {want})
+    if other:
+        where = "interpreted on the CPU" if want == "cpu" else "compiled for the GPU"
+        return False, f"pallas: the model is on {', '.join(other)}, but the Pallas kernels run {where} in this process"
+    if float64 and not x64_enabled():
+        return False, ("pallas: the model has float64 parameters but JAX runs without x64 (it would compute in "
+                       "float32); call jax.config.update('jax_enable_x64', True) before patching")
+    return True, ""
+
+
 def x64_enabled() -> bool:
     return bool(jax_module().config.read("jax_enable_x64"))

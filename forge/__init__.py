@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import ops  # noqa: E402  (the backend registry; imports no backend)
 from .errors import BackendUnavailableError, LabelDtypeError, UnsupportedModelError  # noqa: E402
 
 # Per-call guard defaults: the activation elements (rows x width) from which a shape-sensitive
@@ -44,8 +45,11 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     ``*ForCausalLM``, bare or wrapped by peft or in a ``.model``), per instance; returns it.
 
     mode: "train" or "infer" (declines fused_linear_ce, lora_qkv, lora_mlp).
-    backend: "auto" (per kernel, triton if it can run it, else pallas), "triton", "pallas", or a
-        dict kernel key -> backend; a named backend that cannot run raises BackendUnavailableError.
+    backend: "auto" (per kernel, the first backend that can run it on this model: triton then
+        pallas with a CUDA device, pallas then triton without one), "triton", "pallas", or a dict
+        kernel key -> backend; a named backend that cannot run this model here (no CUDA for
+        compiled Triton, float64 on Pallas without jax x64, a model on "meta") raises
+        BackendUnavailableError at patch time.
     min_elements: calls of rmsnorm/swiglu/geglu/rope with fewer activation elements run the
         original forward; None = MIN_FUSED_ELEMENTS[backend], 0 = always fused, or a dict per key.
     kernels: restrict to these keys (default: all).
@@ -72,12 +76,23 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     eager has logits (and a cache the fused path did not build). Labels must be int64, each in
     [0, vocab) or -100, as eager's loss requires (docs/fused_linear_ce.md). Otherwise (eval, no
     labels, ``generate()``) logits come out as before. Patching again with the same arguments is
-    a no-op.
+    a no-op. ``forge.report(model)`` says what ran; the
+    ``"forge"`` logger gives a summary (INFO) and each decline reason (WARNING, once). A deep copy
+    or a pickled and loaded copy comes back patched, on its own statistics (docs/patching.md).
     """
     from .patching.core import patch as _patch
 
     return _patch(model, mode=mode, backend=backend, min_elements=min_elements, kernels=kernels, graphs=graphs,
                   recompute_mlp=recompute_mlp)
+
+
+def report(model):
+    """What runs where in a patched model: per kernel its backend, the modules patched, the
+    guard's fused and fallback calls since the patch, and why a kernel was skipped.
+    ``print(forge.report(model))`` shows a table; ``.kernels[key]`` and ``.as_dict()`` the data."""
+    from .patching.core import report as _report
+
+    return _report(model)
 
 
 def unpatch(model):
@@ -94,6 +109,8 @@ __all__ = [
     "NEVER",
     "UnsupportedModelError",
     "__version__",
+    "ops",
     "patch",
+    "report",
     "unpatch",
 ]

@@ -3,12 +3,19 @@
 forge decides this once per process. Triton reads ``TRITON_INTERPRET`` when a kernel is
 decorated, so :func:`ensure_triton_mode` must run before any ``forge_triton`` kernel module is
 imported; ``forge_triton/__init__.py`` calls it first thing.
+
+Threads: Triton's interpreter keeps the program being run in process-wide state (the grid
+index, the patched ``triton.language`` functions), so two threads launching interpreted kernels
+at once corrupt each other. In interpreter mode every interpreted launch, forge's or anyone's,
+takes one process-wide lock (:func:`serialise_interpreter`); compiled launches on a GPU never see
+it.
 """
 from __future__ import annotations
 
 import functools
 import os
 import sys
+import threading
 
 
 @functools.cache
@@ -28,6 +35,49 @@ def ensure_triton_mode() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
         if "triton.language" in sys.modules:
             _reinterpret_triton_language()
+    if triton_interpreted():
+        serialise_interpreter()
+
+
+def triton_fits(device_types) -> tuple[bool, str]:
+    """(usable, reason) for Triton kernels on tensors of these device types in this process:
+    compiled kernels take CUDA tensors, the interpreter CPU ones."""
+    if triton_interpreted():
+        other = sorted(set(device_types) - {"cpu"})
+        if other:
+            return False, (f"triton: the model is on {', '.join(other)}, but Triton runs in its interpreter in "
+                           "this process (TRITON_INTERPRET=1), which takes CPU tensors only")
+        return True, ""
+    if not has_cuda():
+        return False, ("triton: TRITON_INTERPRET=0 and there is no CUDA device: compiled Triton kernels need "
+                       "one; set TRITON_INTERPRET=1 (or leave it unset: forge then turns the interpreter on) "
+                       "before importing forge")
+    other = sorted(set(device_types) - {"cuda"})
+    if other:
+        return False, (f"triton: the model is on {', '.join(other)}, but Triton compiles for CUDA in this process; "
+                       "move the model to the GPU before patching")
+    return True, ""
+
+
+INTERPRETER_LOCK = threading.RLock()
+
+
+def serialise_interpreter() -> None:
+    """Make every interpreted Triton launch take :data:`INTERPRETER_LOCK` (once per process).
+    Only ``InterpretedFunction.run`` is wrapped: the class compiled kernels use is untouched."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+    if getattr(run, "_forge_serialised", False):
+        return
+
+    @functools.wraps(run)
+    def locked_run(self, *args, **kwargs):
+        with INTERPRETER_LOCK:
+            return run(self, *args, **kwargs)
+
+    locked_run._forge_serialised = True
+    InterpretedFunction.run = locked_run
 
 
 def _reinterpret_triton_language() -> None:

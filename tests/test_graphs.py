@@ -118,7 +118,8 @@ def test_deepcopy_of_a_graphs_patched_model_runs():
     dup = copy.deepcopy(model)
     ids, labels = _ids(model, 1, 6, "cpu")
     _same(_step(dup, ids, labels), _step(model, ids, labels), "deep copy")
-    assert dup._forge_graphs is model._forge_graphs  # shared; the copy's layers are not its layers
+    # the copy is patched again: its own graphs, over its own layers
+    assert dup._forge_graphs is not model._forge_graphs and dup._forge_graphs.layers[0] is dup.model.layers[0]
 
 
 # ---------------------------------------------------------------------------------------------

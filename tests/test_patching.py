@@ -48,10 +48,10 @@ def qwen2():
 def test_counts_24_layer_qwen2_and_qwen3():
     from transformers import AutoModelForCausalLM
 
-    # the numbers; counting needs no forward, so the 24-layer model lives on "meta"
+    # the numbers; counting needs no forward: 24 layers at the tiny widths (a model on
+    # "meta" is declined at patch time: no kernel runs there)
     for model_type, norms in (("qwen2", 49), ("qwen3", 97)):
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config(model_type, num_hidden_layers=24))
+        model = AutoModelForCausalLM.from_config(model_config(model_type, num_hidden_layers=24))
         forge.patch(model)
         assert model._forge_patched_counts == {"rmsnorm": norms, "swiglu": 24, "rope": 24, "fused_linear_ce": 1}
 
@@ -59,9 +59,8 @@ def test_counts_24_layer_qwen2_and_qwen3():
 def test_bare_decoder_and_what_is_left_alone():
     from transformers import AutoModel, AutoModelForCausalLM
 
-    with torch.device("meta"):
-        bare = AutoModel.from_config(model_config("qwen2"))  # Qwen2Model: no lm_head
-        gemma = AutoModelForCausalLM.from_config(model_config("gemma"))
+    bare = AutoModel.from_config(model_config("qwen2"))  # Qwen2Model: no lm_head
+    gemma = AutoModelForCausalLM.from_config(model_config("gemma"))
     forge.patch(bare)
     assert bare._forge_patched_counts == {"rmsnorm": 5, "swiglu": 2, "rope": 2}
     assert "lm_head" in bare._forge_skipped["fused_linear_ce"]
@@ -320,7 +319,7 @@ def test_nested_model_attribute(qwen2):
     (dict(backend={"norm": "triton"}), ValueError, "backend"),
     (dict(backend=3), TypeError, "backend"),
     (dict(min_elements=-1), ValueError, "min_elements"),
-    (dict(min_elements={"rope": 1.5}), ValueError, "min_elements"),
+    (dict(min_elements={"rope": 1.5}), TypeError, "min_elements"),
 ])
 def test_bad_arguments_name_themselves(qwen2, kwargs, exc, word):
     with pytest.raises(exc, match=word):
@@ -354,6 +353,7 @@ def test_auto_falls_through_to_a_backend_that_has_the_kernel(qwen2, monkeypatch)
         return real_get(key, backend)
 
     monkeypatch.setattr(ops, "get", get)
+    monkeypatch.setattr(ops, "auto_order", lambda: ("triton", "pallas"))  # CUDA's order, on any machine
     if not ops.availability("pallas")[0]:
         pytest.skip(ops.availability("pallas")[1])
     forge.patch(qwen2, mode="infer", kernels=["rmsnorm", "rope"])

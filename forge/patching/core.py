@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import types
 
 from torch import nn
@@ -37,10 +38,12 @@ from .. import errors, ops
 from ..spec import KERNELS
 from . import arch as _arch
 from . import decode as _decode
+from . import copying
 from . import forwards as fw
 from . import graphs as _graphs
+from . import report as _report
 from .guard import GuardStats
-from .patcher import TRAIN_ONLY, Patcher, restore
+from .patcher import LAYER_KEYS, TRAIN_ONLY, Patcher, restore
 
 MODES = ("train", "infer")
 LORA_KEYS = ("lora_qkv", "lora_mlp")
@@ -52,6 +55,9 @@ class _State:
     args: tuple
     records: list
     chain: list
+    call: dict      # forge.patch's arguments, to patch a copy the same way (copying.py)
+    info: _report.Info
+    public: tuple   # the values of _PUBLIC
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,16 +92,29 @@ def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp
     for k, b in backend.items():
         if b not in choices:
             raise ValueError(f"backend for {k!r} must be one of {choices}, got {b!r}")
-    if min_elements is not None:
-        vals = min_elements.items() if isinstance(min_elements, dict) else [("min_elements", min_elements)]
-        for k, v in vals:
-            if isinstance(min_elements, dict) and k not in KERNELS:
-                raise ValueError(f"min_elements: unknown kernel key {k!r}; known: {KERNELS}")
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"min_elements must be None, a non-negative int or a dict of them, got {v!r}")
-        if isinstance(min_elements, dict):
-            min_elements = dict(min_elements)
+    if isinstance(min_elements, dict):
+        bad = [k for k in min_elements if k not in KERNELS]
+        if bad:
+            raise ValueError(f"min_elements: unknown kernel key(s) {bad}; known: {KERNELS}")
+        min_elements = {k: _count_arg(v) for k, v in min_elements.items()}
+    elif min_elements is not None:
+        min_elements = _count_arg(min_elements)
     return mode, backend, min_elements, tuple(requested), graphs, recompute_mlp, explicit
+
+
+def _count_arg(v) -> int:
+    """An integer-like min_elements value (int, numpy or torch integer) as a plain int."""
+    if not isinstance(v, bool):
+        try:
+            v = operator.index(v)
+        except TypeError:
+            pass
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"min_elements must be None, a non-negative integer or a dict of them, "
+                        f"got {v!r} ({type(v).__name__})")
+    if v < 0:
+        raise ValueError(f"min_elements must be non-negative, got {v}")
+    return v
 
 
 def _unwrap(model):
@@ -149,18 +168,23 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     state = root.__dict__.get("_forge_state")
     if state is not None:
         if state.args == args[:6]:
+            copying.publish(state, chain, _PUBLIC)  # e.g. the wrapper of a copy whose inner model is patched
             return model
         unpatch(model)
     mode, backend_req, min_req, requested, graphs, recompute_mlp, explicit = args
-    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp)
-    # an explicitly named backend that cannot run here is an error, not a skip
+    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp, graphs)
+    # an explicitly named backend that cannot run here, or not on this model, is an error
     for b in sorted({backend_req[k] for k in requested} - {"auto"}):
         ops.require(b)
+        ok, why = ops.fits(b, p.device_types, p.float64)
+        if not ok:
+            raise errors.BackendUnavailableError(why)
     try:
         if mode == "infer":
             for k in TRAIN_ONLY:
                 if k in requested:
-                    p.skip(k, f"mode='infer' declines {k}: it only serves training (a loss or adapter gradients)")
+                    p.skip(k, f"mode='infer' declines {k}: it only serves training (a loss or adapter gradients)",
+                           applies=False)
         _apply_lora(root, p)
         _walk(root, arch, p)
         _apply_fused_ce(root, arch, p)
@@ -168,11 +192,15 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     except BaseException:
         p.restore()
         raise
-    root.__dict__["_forge_state"] = _State(args[:6], p._records, chain)
-    public = (dict(p.counts), dict(p.skipped), p.stats, p.backends(), g)
-    for obj in chain:
-        for name, value in zip(_PUBLIC, public):
-            object.__setattr__(obj, name, value)
+    backends = p.backends()
+    info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
+                 {b: ops.interpreted(b) for b in set(backends.values())})
+    call = dict(mode=mode, backend=backend_req, min_elements=min_req, kernels=requested if explicit else None,
+                graphs=graphs, recompute_mlp=recompute_mlp)
+    state = _State(args[:6], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
+    root.__dict__["_forge_state"] = state
+    copying.publish(state, chain, _PUBLIC)
+    _report.log_patch(root, state, p, g)
     return model
 
 
@@ -187,9 +215,16 @@ def unpatch(model):
         return model
     restore(state.records)
     for obj in state.chain:
-        for name in _PUBLIC:
+        for name in _PUBLIC + copying.HOOKS:
             obj.__dict__.pop(name, None)
     return model
+
+
+def report(model):
+    """``forge.report(model)``: per kernel, backend, modules, fused and fallback calls and skip
+    reasons (forge.patching.report.Report); an unpatched model reports ``patched=False``."""
+    _chain, root = _unwrap(model)
+    return _report.build(root, root.__dict__.get("_forge_state"))
 
 
 def guard_stats(model) -> GuardStats:
@@ -211,10 +246,13 @@ def _hf_forward(cls) -> bool:
 
 def _walk(root, arch, p):
     norms, mlps, attns = [], [], []
+    lora_mlps = 0
     for name, mod in root.named_modules():
         cls = type(mod)
         if "forward" in mod.__dict__ or not _hf_forward(cls):
-            continue  # replaced by someone else (e.g. accelerate hooks) or not HF code: leave it
+            # replaced by someone else (e.g. accelerate hooks) or not HF code: leave it
+            lora_mlps += p.is_replaced(mod) and cls.__name__.endswith(_arch.MLP_SUFFIX)
+            continue
         cname, leaf = cls.__name__, name.rpartition(".")[2]
         if cname.endswith(_arch.NORM_SUFFIX) and leaf in arch.norms:
             norms.append(mod)
@@ -223,7 +261,7 @@ def _walk(root, arch, p):
         elif cname.endswith(_arch.ATTN_SUFFIX):
             attns.append(mod)
     _apply_rmsnorm(p, arch, norms)
-    _apply_glu(p, arch, mlps)
+    _apply_glu(p, arch, mlps, lora_mlps)
     _apply_rope(p, arch, attns)
 
 
@@ -257,14 +295,17 @@ def _apply_rmsnorm(p, arch, norms):
         p.skip("rmsnorm", "no RMSNorm module has a 1-D weight and an eps attribute " + str(_arch.EPS_ATTRS))
 
 
-def _apply_glu(p, arch, mlps):
+def _apply_glu(p, arch, mlps, lora_mlps):
     key = arch.glu
     other = "geglu" if key == "swiglu" else "swiglu"
     if p.explicit and p.wants(other):
-        p.skip(other, f"{arch.model_type} uses {key}, not {other}")
+        p.skip(other, f"{arch.model_type} uses {key}, not {other}", applies=False)
     act = getattr(p.model.config, arch.act_attr, None)
     if p.wants(key) and act not in _arch.GLU_ACTS[key]:
         p.skip(key, f"config.{arch.act_attr}={act!r}, but the {key} kernel computes {_arch.GLU_ACTS[key]}")
+    if p.wants(key) and not mlps and lora_mlps:
+        p.skip(key, f"the fused lora_mlp kernel runs all {lora_mlps} MLP modules (its {key} included)",
+               applies=False)
     kernel = _ready(p, key, mlps, "MLP modules")
     if kernel is None:
         return
@@ -286,7 +327,7 @@ def _apply_glu(p, arch, mlps):
 
 def _apply_rope(p, arch, attns):
     if not arch.rope and p.wants("rope"):
-        p.skip("rope", f"{arch.model_type} attention does not use apply_rotary_pos_emb")
+        p.skip("rope", f"{arch.model_type} attention does not use apply_rotary_pos_emb", applies=False)
     kernel = _ready(p, "rope", attns, "attention modules")
     if kernel is None:
         return
@@ -330,7 +371,7 @@ def _apply_lora(root, p):
         return
     if not _has_lora(root):
         for k in wanted:
-            p.skip(k, "the model has no LoRA adapters (no peft LoRA layers)")
+            p.skip(k, "the model has no LoRA adapters (no peft LoRA layers)", applies=False)
         return
     try:
         from . import lora
@@ -350,10 +391,12 @@ def _apply_fused_ce(root, arch, p):
         return
     lm = getattr(root, "lm_head", None)
     decoder = getattr(root, getattr(root, "base_model_prefix", "model"), None)
-    why = None
     if not isinstance(lm, nn.Linear) or not isinstance(decoder, nn.Module):
-        why = f"{type(root).__name__} has no nn.Linear lm_head over a decoder (not a *ForCausalLM)"
-    elif "_loss_function" in root.__dict__ or getattr(root, "loss_type", None) not in (None, "ForCausalLM"):
+        p.skip(key, f"{type(root).__name__} has no nn.Linear lm_head over a decoder (not a *ForCausalLM)",
+               applies=False)
+        return
+    why = None
+    if "_loss_function" in root.__dict__ or getattr(root, "loss_type", None) not in (None, "ForCausalLM"):
         why = "the model has a custom loss function"
     elif "forward" in root.__dict__ or not _hf_forward(type(root)):
         why = f"{type(root).__name__}.forward is not transformers' own"
@@ -393,6 +436,12 @@ def _apply_graphs(root, p):
                     f"graphs=True needs the kernels inside the decoder layers on torch's stream; {key!r} runs "
                     f"on 'pallas', whose native launch is unavailable here ({why}), so JAX would launch it on "
                     "its own stream, outside a torch CUDA graph: patch with backend='triton' or graphs=False")
+    for key in LAYER_KEYS:
+        if key in p.counts and p.backend(key) != "triton":
+            raise ValueError(
+                f"graphs=True needs the triton backend for the kernels inside the decoder layers; {key!r} "
+                f"runs on {p.backend(key)!r} (JAX launches its kernels on its own stream, outside a torch "
+                "CUDA graph): patch with backend='triton' or graphs=False")
     layers, why = _graphs.decoder_layers(root)
     if layers is None:
         p.skip("graphs", why)

@@ -4,8 +4,8 @@ the fused loss (see ``core.py`` for how they are installed and removed).
 Each factory captures only static things (the kernel function, the class's original forward,
 casting constants, the guard threshold and its counter) and returns a function of ``self``,
 which ``core`` binds to the module instance. Weights are read from ``self`` at call time: FSDP2
-swaps sharded and gathered parameters around each forward, and ``copy.deepcopy`` rebinds the
-method to the copy's module. The guard is one integer comparison plus one counter bump per call
+swaps sharded and gathered parameters around each forward. (A deep copy of the model does not
+share these closures: ``copying.py`` copies it unpatched and patches the copy.) The guard is one integer comparison plus one counter bump per call
 (about 150 ns on a CPU core, and ~160 ns more for the torch.compile check before the bump). While
 ``graphs.py`` captures the decoder layers (``CAPTURE.on``) every call fuses: a replay pays no
 host time per kernel, which is what the thresholds weigh.

@@ -14,9 +14,11 @@ import torch
 
 from .. import errors, ops
 from ..spec import SHAPE_SENSITIVE
+from . import copying
 from .guard import GuardStats
 
 TRAIN_ONLY = ("fused_linear_ce", "lora_qkv", "lora_mlp")  # need a loss / adapter gradients
+LAYER_KEYS = ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_mlp")  # inside decoder layers
 
 
 class Patcher:
@@ -27,7 +29,8 @@ class Patcher:
     like ``module.forward(*args, **kwargs)``) and remembers the original for ``unpatch``.
     """
 
-    def __init__(self, root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp=False):
+    def __init__(self, root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp=False,
+                 graphs=False):
         self.model, self.arch, self.mode = root, arch, mode
         self.stats = GuardStats()
         self.counts: dict[str, int] = {}
@@ -35,9 +38,16 @@ class Patcher:
         self._backend_req, self._min_req = backend_req, min_req
         self._requested, self.explicit = requested, explicit
         self.recompute_mlp = recompute_mlp  # the gated MLP keeps only its input (forge.patch)
+        self._auto = ops.auto_order()
+        self._graphs = graphs  # CUDA graphs capture Triton kernels: auto tries triton first in layers
         self._loaded: dict[str, tuple] = {}
         self._records: list[list] = []       # [module, had_instance_attr, old_attr, key, attr name]
         self._by_id: dict[int, list] = {}
+        self.quiet: set[str] = set()         # skips that only say a kernel does not apply
+        # where the kernels would run: a backend that cannot run there is declined at patch time
+        params = list(root.parameters())
+        self.device_types = frozenset(t.device.type for t in params)
+        self.float64 = any(t.dtype == torch.float64 for t in params)
 
     # -- the interface the LoRA patcher uses -------------------------------------------------
     def wants(self, key: str) -> bool:
@@ -85,6 +95,10 @@ class Patcher:
             d = d.get(self.mode, 0)  # per-mode defaults
         return int(d.get(key, 0) if isinstance(d, dict) else d)
 
+    def min_elements_given(self, key: str) -> bool:
+        """forge.patch(min_elements=...) set the threshold of ``key`` (else a default)."""
+        return isinstance(self._min_req, int) or (isinstance(self._min_req, dict) and key in self._min_req)
+
     def replace_forward(self, module, key: str, new_forward) -> None:
         rec = self._by_id.get(id(module))
         if rec is None:
@@ -92,14 +106,20 @@ class Patcher:
             rec = [module, had, module.__dict__.get("forward"), key, "forward"]
             self._records.append(rec)
             self._by_id[id(module)] = rec
+            # copy.deepcopy / pickle copy the module without forge's forward (copying.py)
+            module.__dict__["__reduce_ex__"] = copying.module_hook(module, had, rec[2])
         else:  # a later kernel takes the module over (e.g. lora_mlp after swiglu)
             self._count(rec[3], -1)
             rec[3] = key
         module.__dict__["forward"] = new_forward
         self._count(key, 1)
 
-    def skip(self, key: str, reason: str) -> None:
+    def skip(self, key: str, reason: str, applies: bool = True) -> None:
+        """Record why ``key`` is declined. ``applies=False``: the kernel has nothing to do in
+        this model or mode (logged in the summary; a warning only if asked for by name)."""
         self.skipped[key] = reason
+        if not applies and not self.explicit:
+            self.quiet.add(key)
 
     def replace_method(self, module, name: str, new) -> None:
         """Store ``new`` as the instance attribute ``name`` (a method other than forward that forge
@@ -121,8 +141,14 @@ class Patcher:
     def _load(self, key):
         hit = self._loaded.get(key)
         if hit is None:
-            hit = self._loaded[key] = _find_kernel(key, self._backend_req[key])
+            hit = self._loaded[key] = _find_kernel(key, self._backend_req[key],
+                                                      ops.BACKENDS if self._graphs and key in LAYER_KEYS else self._auto,
+                                                      self.device_types, self.float64)
         return hit
+
+    def thresholds(self) -> dict[str, int]:
+        """min_elements of each patched kernel that has a size guard (rmsnorm, swiglu, ...)."""
+        return {k: self.min_elements(k) for k in self.counts if k in SHAPE_SENSITIVE}
 
     def backends(self) -> dict[str, str]:
         return {k: v[0] for k, v in self._loaded.items() if v[0] is not None and k in self.counts}
@@ -133,11 +159,14 @@ class Patcher:
         self._by_id.clear()
 
 
-def _find_kernel(key, want):
-    """(backend, fn) for the first usable backend that implements ``key``, else (None, reason)."""
+def _find_kernel(key, want, auto, device_types, float64):
+    """(backend, fn) for the first backend that can run ``key`` on this model, else (None,
+    reason). ``auto``: the order ``backend="auto"`` tries them in."""
     why = []
-    for b in ops.BACKENDS if want == "auto" else (want,):
+    for b in auto if want == "auto" else (want,):
         ok, reason = ops.availability(b)
+        if ok:
+            ok, reason = ops.fits(b, device_types, float64)
         if not ok:
             why.append(reason)
             continue
@@ -152,6 +181,8 @@ def restore(records) -> None:
     """Undo replace_forward / replace_method records, newest first: delete the instance attribute,
     or put back the one that was there, so the module's forward is again exactly what it was."""
     for module, had, old, _key, name in reversed(records):
+        for hook in copying.HOOKS:
+            module.__dict__.pop(hook, None)
         if had:
             module.__dict__[name] = old
         else:
