@@ -255,9 +255,10 @@ def test_unpatch_restores_generate():
     assert torch.equal(model.generate(ids, **kw), want)
     assert model._forge_graphs.stats.why == {"generate: the model is on cpu, CUDA graphs need a CUDA device": 1,
                                              "attention mask": 3}
-    # a deep copy's methods are bound to the copy, which is not the model forge serves: as before
+    # a deep copy comes back patched on its own (docs/patching.md): its own graphs and decoding
     dup = copy.deepcopy(model)
-    assert torch.equal(dup.generate(ids, **kw), want) and dup._forge_graphs is model._forge_graphs
+    assert torch.equal(dup.generate(ids, **kw), want) and dup._forge_graphs is not model._forge_graphs
+    assert taken <= dup.__dict__.keys() and dup.generate.__self__ is dup
     assert sum(model._forge_graphs.stats.why.values()) == 4  # nothing of the copy's is counted
     forge.unpatch(model)
     assert not taken & model.__dict__.keys() and not hasattr(model, "_forge_graphs")
