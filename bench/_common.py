@@ -30,7 +30,7 @@ MATMUL_CEILING_TFLOPS = 790.0  # bf16 8192^3 matmul on random data
 # per benchmark, what one history row keeps of a run: (the result's list holding the rows,
 # columns naming a row, columns measured); benchmarks not listed keep no summary
 SUMMARY = {
-    "bench_backends": ("rows", ["kernel", "backend"], ["fwd_us", "bwd_us"]),
+    "bench_backends": ("rows", ["kernel", "shape", "backend"], ["fwd_us", "bwd_us"]),
     "bench_guard": ("summary", ["kernel", "backend"], ["crossover_infer", "crossover_train"]),
     "bench_patch_bisect": ("rows", ["variant"], ["step_ms", "speedup", "mem_frac"]),
     "bridge_overhead": ("rows", ["kernel", "measure", "shape"], ["triton_us", "pallas_us"]),
