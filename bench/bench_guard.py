@@ -7,7 +7,9 @@ stream of calls (host time and device time overlap: the slower one shows), forwa
 fused call is at least as fast as eager at every larger size of the sweep; the larger of the two
 modes becomes the default in forge.MIN_FUSED_ELEMENTS.
 
-    python bench/bench_guard.py [--backends triton,pallas] [--quick]
+    python bench/bench_guard.py [--backends triton,pallas] [--kernels ...] [--quick]
+
+Writes bench_guard-<kernels>-<device>.{json,csv} into --out (one result per set of kernels swept).
 """
 from __future__ import annotations
 

@@ -122,3 +122,31 @@ def test_bench_guard_gated_mlp_quick(tmp_path):
     _run("bench_guard.py", ["--quick", "--kernels", "gated_mlp", "--backends", "triton"], tmp_path)
     rows = _rows(tmp_path, "bench_guard")
     assert {int(r["elements"]) for r in rows} == {1 * 4864, 4 * 4864}
+
+
+def test_results_overwrite_latest_and_append_history(tmp_path, monkeypatch):
+    """A re-run of a case replaces its result files and adds a history row; bench/record.py
+    copies results made elsewhere into a results folder the same way."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import _common as bc
+    import record
+
+    made = tmp_path / "gpu_out"
+    for ms in (2.0, 1.5):
+        jpath, _ = bc.write_results(made, "profile_step", [{"variant": "eager", "ms": ms}], case="tiny-train-1x16")
+    assert sorted(p.name for p in made.iterdir()) == [
+        "history.csv", "profile_step-tiny-train-1x16-cpu.csv", "profile_step-tiny-train-1x16-cpu.json"]
+    assert json.loads(jpath.read_text())["rows"] == [{"variant": "eager", "ms": 1.5}]
+    with (made / "history.csv").open() as f:
+        hist = list(csv.DictReader(f))
+    assert [h["summary"] for h in hist] == ["eager: ms=2", "eager: ms=1.5"]
+    assert {h["case"] for h in hist} == {"tiny-train-1x16"} and all(h["date"] for h in hist)
+
+    repo = tmp_path / "results"
+    record.record([jpath], repo)
+    record.record([jpath], repo)
+    assert (repo / jpath.name).read_text() == jpath.read_text() and (repo / "profile_step-tiny-train-1x16-cpu.csv").exists()
+    with (repo / "history.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
+    with pytest.raises(SystemExit, match="not a result file"):
+        record.record([made / "history.csv"], repo)
