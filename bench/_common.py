@@ -100,8 +100,9 @@ def history_row(meta: dict, file: str) -> dict:
     key, labels, values = SUMMARY.get(bench, ("rows", [], []))
     parts = []
     for r in meta.get(key) or []:
-        vals = [f"{c}={r[c]:.4g}" if isinstance(r[c], float) else f"{c}={r[c]}"
-                for c in values if r.get(c) is not None]
+        # a column the row has but left None is a result (bench_guard: no crossover), one it
+        # lacks is not (a backend that did not run)
+        vals = [f"{c}={r[c]:.4g}" if isinstance(r[c], float) else f"{c}={r[c]}" for c in values if c in r]
         if vals:
             parts.append(" ".join(str(r[c]) for c in labels if r.get(c) is not None) + ": " + " ".join(vals))
     dev = env.get("device", "")
