@@ -1,6 +1,15 @@
-"""Shared benchmark plumbing: environment record, device-time measurement, result files."""
+"""Shared benchmark plumbing: environment record, device-time measurement, result files.
+
+Results go to one folder per run (``--out DIR``; default ``$FORGE_BENCH_OUT``, else
+``./forge-bench-results`` in the current directory, never inside the installed package). File
+names are stable, ``<benchmark>[-<case>]-<device>.{json,csv}``: a re-run of the same case
+overwrites its latest result, the date lives in the JSON, and one summary row per run is appended
+to ``history.csv`` in the same folder. The project's own results are recorded in bench/results
+(``--out bench/results``, or ``python bench/record.py FILE.json ...`` for files made elsewhere).
+"""
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import json
@@ -13,10 +22,34 @@ from pathlib import Path
 
 import torch
 
-# FORGE_BENCH_RESULTS redirects output (CI smoke tests write to a temporary folder)
-RESULTS = Path(os.environ.get("FORGE_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
-COPY_CEILING_GBS = 4220.0  # H200 device-to-device copy, bytes read + written (MEASURED.md)
-MATMUL_CEILING_TFLOPS = 790.0  # bf16 8192^3 on random data (MEASURED.md)
+DEFAULT_OUT = "forge-bench-results"
+# the H200's measured ceilings (docs/hardware.md says what was measured and how)
+COPY_CEILING_GBS = 4220.0  # device-to-device copy, bytes read + written
+MATMUL_CEILING_TFLOPS = 790.0  # bf16 8192^3 matmul on random data
+
+# per benchmark, what one history row keeps of a run: (the result's list holding the rows,
+# columns naming a row, columns measured); benchmarks not listed keep no summary
+SUMMARY = {
+    "bench_backends": ("rows", ["kernel", "shape", "backend"], ["fwd_us", "bwd_us"]),
+    "bench_guard": ("summary", ["kernel", "backend"], ["crossover_infer", "crossover_train"]),
+    "bench_patch_bisect": ("rows", ["variant"], ["step_ms", "speedup", "mem_frac"]),
+    "bridge_overhead": ("rows", ["kernel", "measure", "shape"], ["triton_us", "pallas_us"]),
+    "flce": ("rows", ["case", "impl"], ["ms", "extra_mib"]),
+    "flce_grad_w": ("rows", ["impl", "vocab", "hidden", "rows", "chunks"], ["ms", "total_mib"]),
+    "host_overhead": ("rows", ["kernel", "measure"], ["us_per_call"]),
+    "profile_step": ("rows", ["variant"], ["ms", "device_busy_ms", "host_self_ms"]),
+    "bench_generate": ("rows", ["batch", "prompt", "variant"], ["tok_s", "speedup", "ttft_ms"]),
+    "tune_triton": ("rows", ["kernel", "shape", "tile", "progs_per_sm", "warps"], ["fwd_us", "bwd_us"]),
+}
+HISTORY_COLUMNS = ["date", "benchmark", "case", "device", "file", "command", "summary"]
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """``--out DIR``, the folder a run writes its results into (created when missing)."""
+    default = os.environ.get("FORGE_BENCH_OUT") or DEFAULT_OUT
+    parser.add_argument("--out", type=Path, default=Path(default),
+                        help=f"result folder (default: $FORGE_BENCH_OUT, else ./{DEFAULT_OUT}; "
+                             "the project's recorded results: bench/results)")
 
 
 def environment() -> dict:
@@ -35,15 +68,21 @@ def environment() -> dict:
     return env
 
 
-def write_results(stem: str, rows: list[dict], extra: dict | None = None) -> tuple[Path, Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    dev = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().split()[-1].lower()
-    base = f"{stem}-{dev}-{tag}"  # stems hold dots (qwen2.5-0.5b): add suffixes, never replace
-    meta = {"environment": environment(), **(extra or {}), "rows": rows}
-    jpath = RESULTS / (base + ".json")
+def _device_tag() -> str:
+    return "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().split()[-1].lower()
+
+
+def write_results(out: Path, bench: str, rows: list[dict], extra: dict | None = None,
+                  case: str = "") -> tuple[Path, Path]:
+    """``<out>/<bench>[-<case>]-<device>.{json,csv}`` (overwritten by the next run of that case),
+    plus one row appended to ``<out>/history.csv``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = "-".join(x for x in (bench, case, _device_tag()) if x)
+    meta = {"environment": environment(), "benchmark": bench, "case": case, **(extra or {}), "rows": rows}
+    jpath = out / (base + ".json")
     jpath.write_text(json.dumps(meta, indent=2, default=str))
-    cpath = RESULTS / (base + ".csv")
+    cpath = out / (base + ".csv")
     cols: list[str] = []
     for r in rows:
         cols += [c for c in r if c not in cols]
@@ -51,7 +90,37 @@ def write_results(stem: str, rows: list[dict], extra: dict | None = None) -> tup
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
+    append_history(out, history_row(meta, jpath.stem))
     return jpath, cpath
+
+
+def history_row(meta: dict, file: str) -> dict:
+    """One run's line of history.csv: when, what, and its main numbers in one text cell."""
+    env = meta.get("environment", {})
+    bench = meta.get("benchmark", "")
+    key, labels, values = SUMMARY.get(bench, ("rows", [], []))
+    parts = []
+    for r in meta.get(key) or []:
+        # a column the row has but left None is a result (bench_guard: no crossover), one it
+        # lacks is not (a backend that did not run)
+        vals = [f"{c}={r[c]:.4g}" if isinstance(r[c], float) else f"{c}={r[c]}" for c in values if c in r]
+        if vals:
+            parts.append(" ".join(str(r[c]) for c in labels if r.get(c) is not None) + ": " + " ".join(vals))
+    dev = env.get("device", "")
+    return {"date": env.get("date", ""), "benchmark": bench, "case": meta.get("case", ""),
+            "device": "cpu" if dev == "cpu" else dev.split()[-1].lower() if dev else "",
+            "file": file, "command": env.get("command", ""), "summary": "; ".join(parts)}
+
+
+def append_history(out: Path, row: dict) -> Path:
+    path = Path(out) / "history.csv"
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=HISTORY_COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerow(row)
+    return path
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
@@ -115,6 +184,8 @@ def progress(it, desc: str):
     try:
         from tqdm import tqdm
 
-        return tqdm(it, desc=desc, file=sys.stderr, leave=False)
+        # disable=None: bars only where stderr is a terminal, so output sent to a file holds
+        # the tables alone
+        return tqdm(it, desc=desc, file=sys.stderr, leave=False, disable=None)
     except ImportError:
         return it

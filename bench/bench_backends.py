@@ -4,8 +4,8 @@ ceiling, plus each backend's host time per call on a tiny input (the launch / br
 
     python bench/bench_backends.py [--kernels rmsnorm,swiglu,geglu,rope] [--backends ...] [--quick]
 
-Writes bench/results/bench_backends-<gpu>-<stamp>.{json,csv,png}. --quick runs tiny CPU shapes
-in the interpreters (a smoke test for CI: it checks files and columns, not speed).
+Writes bench_backends-<device>.{json,csv,png} into --out. --quick runs tiny CPU shapes in the
+interpreters (a smoke test for CI: it checks files and columns, not speed).
 """
 from __future__ import annotations
 
@@ -114,6 +114,9 @@ def _plot(rows, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    rows = [r for r in rows if "fwd_us" in r]  # unavailable backends have no bar
+    if not rows:
+        return None
     labels = sorted({(r["kernel"], r["shape"]) for r in rows})
     backends = sorted({r["backend"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
@@ -140,6 +143,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--quick", action="store_true", help="tiny CPU shapes, interpreters; smoke test")
+    bc.add_out_argument(p)
     a = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
     dtype = getattr(torch, a.dtype)
@@ -166,7 +170,7 @@ def main(argv=None):
         rows.append(row)
         del inputs
     bc.print_table(rows, COLUMNS)
-    jpath, cpath = bc.write_results("bench_backends", rows, {"ceiling_GBs": bc.COPY_CEILING_GBS})
+    jpath, cpath = bc.write_results(a.out, "bench_backends", rows, {"ceiling_GBs": bc.COPY_CEILING_GBS})
     png = _plot(rows, jpath.with_suffix(".png"))
     print(f"wrote {jpath}\n      {cpath}" + (f"\n      {png}" if png else ""))
     return rows

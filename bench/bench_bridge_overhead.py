@@ -6,8 +6,8 @@ activity: it sees JAX's kernels on JAX's stream too).
 
     python bench/bench_bridge_overhead.py [--kernels rmsnorm,swiglu,geglu,rope] [--quick]
 
-Writes bench/results/bridge_overhead-<gpu>-<stamp>.{json,csv} (date, GPU, versions, command in
-the JSON). --quick: tiny shapes, few iterations (a CPU smoke test of the script, not a number).
+Writes bridge_overhead-<device>.{json,csv} into --out (date, GPU, versions, command in the
+JSON). --quick: tiny shapes, few iterations (a CPU smoke test of the script, not a number).
 """
 from __future__ import annotations
 
@@ -141,6 +141,7 @@ def main(argv=None):
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (CPU smoke test)")
+    bc.add_out_argument(ap)
     a = ap.parse_args(argv)
     for b in ("triton", "pallas"):
         ops.require(b)
@@ -152,7 +153,7 @@ def main(argv=None):
         rows += host_rows(key, dev, iters)
         rows += device_rows(key, dev, dtype, 3 if a.quick else 30, a.quick)
     bc.print_table(rows, COLUMNS)
-    paths = bc.write_results("bridge_overhead", rows, {"note": (
+    paths = bc.write_results(a.out, "bridge_overhead", rows, {"note": (
         "host_us: wall time per call on tiny inputs, loop of calls then one sync (host-bound); "
         "pallas_us: the default path (native launch where it serves), pallas_dlpack_us: JAX + DLPack; "
         "device us: sum of all CUDA kernels per call from torch.profiler (JAX's stream included); "

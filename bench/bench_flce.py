@@ -10,6 +10,9 @@ Targets (issue 4): extra memory <= 1/10 of eager's and time <= 1.1x eager's.
 
     python bench/bench_flce.py                       # both cases, every implementation
     python bench/bench_flce.py --cases small --impls eager,triton
+    python bench/bench_flce.py --quick               # tiny case on the CPU (interpreters): a smoke test
+
+Writes flce-<cases>-<device>.{json,csv} into --out.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ IMPLS = ("eager", "triton", "pallas", "liger")
 # also accepted in --impls: <backend>-tiles / <backend>-rows force that backend's vocabulary
 # tiles / row chunks (sized by its default rules) whichever its default would pick
 FORCED = ("triton-tiles", "triton-rows", "pallas-tiles", "pallas-rows")
-IGNORED = 0.1  # fraction of labels = -100, as in shared/MEASURED.md
+IGNORED = 0.1  # fraction of labels = -100, as in the reference figures (docs/hardware.md)
 
 
 def _impl(name, tile_vocab=None, n=0, v=0):
@@ -120,7 +123,7 @@ def run_one(case: str, impl: str, iters: int, warmup: int, profile: bool = False
     loss = step()
     sync()
     torch_extra = torch.cuda.max_memory_allocated() - base if cuda else 0
-    loss_val = float(loss)
+    loss_val = float(loss.detach())
     gnorm = (float(h.grad.float().norm()), float(w.grad.float().norm()))
     h.grad = w.grad = None
     times = []
@@ -161,18 +164,25 @@ def main():
     ap.add_argument("--tile-vocab", type=int, default=None,
                     help="forge's vocabulary tile width (default: the backend's own rule)")
     ap.add_argument("--profile", action="store_true", help="print each run's slowest kernels")
+    ap.add_argument("--quick", action="store_true",
+                    help="the tiny case on the CPU, eager/triton/pallas, one process each: a smoke test")
     ap.add_argument("--one", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
+    import _common
+
+    _common.add_out_argument(ap)
     args = ap.parse_args()
+    if args.quick:
+        args.cases, args.impls, args.iters, args.warmup, args.repeats = "tiny", "eager,triton,pallas", 1, 1, 1
     if args.one:
         print("ROW " + json.dumps(run_one(*args.one, args.iters, args.warmup, args.profile,
                                            args.tile_vocab)))
         return
-    import _common
-
     rows = []
     # keep the caller's PYTHONPATH (a carried Liger-Kernel wheel lives there)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x))
+    if args.quick:  # the CPU even where a GPU is present, as the other benchmarks' --quick
+        env["CUDA_VISIBLE_DEVICES"] = ""
     for case in args.cases.split(","):
         # each implementation in its own process, in rotation --repeats times: a process's
         # speed varies by several percent, so every implementation samples several processes
@@ -221,8 +231,9 @@ def main():
     cols = ["case", "impl", "ms", "first_call_s", "extra_mib", "jax_peak_mib", "tflops_useful", "time_vs_eager",
             "mem_vs_eager", "loss", "loss_diff_vs_eager", "meets_target", "exit_rc", "skipped"]
     _common.print_table(rows, cols)
-    jpath, cpath = _common.write_results("flce", rows, {"cases": {k: CASES[k] for k in args.cases.split(",")},
-                                                          "ignored_fraction": IGNORED})
+    cases = sorted(args.cases.split(","))
+    jpath, cpath = _common.write_results(args.out, "flce", rows, {"cases": {k: CASES[k] for k in cases},
+                                                                  "ignored_fraction": IGNORED}, case="-".join(cases))
     print(f"wrote {jpath} and {cpath}")
 
 

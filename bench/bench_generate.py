@@ -159,13 +159,11 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--reps", type=int, default=2, help="timed full generate() calls per case")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--out", default=None, help=f"result folder (default {bc.RESULTS})")
+    bc.add_out_argument(p)
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU, a few seconds")
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.batches, a.prompts, a.new, a.reps = "tiny", "2", "8", 4, 1
-    if a.out:
-        bc.RESULTS = Path(a.out)
     variants = [v.strip() for v in a.variants.split(",")]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -195,7 +193,8 @@ def main(argv=None):
     title = f"generate(): {a.model}, {a.new} new tokens, {dev.type} {str(dtype).split('.')[-1]}"
     print(title)
     bc.print_table(rows, COLUMNS)
-    jpath, cpath = bc.write_results(f"bench_generate-{a.model}", rows, {"args": vars(a), "title": title})
+    case = f"{a.model}-b{a.batches.replace(',', '-')}-p{a.prompts.replace(',', '-')}"
+    jpath, cpath = bc.write_results(a.out, "bench_generate", rows, {"args": vars(a), "title": title}, case=case)
     png = _plot(rows, jpath.with_suffix(".png"), title)
     print(f"wrote {jpath}\n      {cpath}" + (f"\n      {png}" if png else ""))
     return rows

@@ -7,7 +7,9 @@ stream of calls (host time and device time overlap: the slower one shows), forwa
 fused call is at least as fast as eager at every larger size of the sweep; the larger of the two
 modes becomes the default in forge.MIN_FUSED_ELEMENTS.
 
-    python bench/bench_guard.py [--backends triton,pallas] [--quick]
+    python bench/bench_guard.py [--backends triton,pallas] [--kernels ...] [--quick]
+
+Writes bench_guard-<kernels>-<device>.{json,csv} into --out (one result per set of kernels swept).
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ def main(argv=None):
     p.add_argument("--kernels", default=",".join(SWEEPS))
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--quick", action="store_true")
+    bc.add_out_argument(p)
     a = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -133,7 +136,9 @@ def main(argv=None):
             val = "NEVER" if c is None else (0 if c == smallest else c)
             suggest.setdefault(srow["backend"], {}).setdefault(mode, {})[srow["kernel"]] = val
     print("suggested forge.MIN_FUSED_ELEMENTS:", suggest)
-    bc.write_results("bench_guard", rows, {"summary": summary, "suggested_min_fused_elements": suggest})
+    # one result per set of kernels swept: a sweep of one kernel keeps the others' latest
+    bc.write_results(a.out, "bench_guard", rows, {"summary": summary, "suggested_min_fused_elements": suggest},
+                     case="-".join(sorted(a.kernels.split(","))))
     return summary
 
 

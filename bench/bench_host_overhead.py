@@ -14,7 +14,7 @@ kernel long before the host issues the next), a stream of calls of:
 
     python bench/bench_host_overhead.py [--calls 2000] [--quick]
 
-Writes bench/results/host_overhead-<gpu>-<stamp>.{json,csv}.
+Writes host_overhead-<device>.{json,csv} into --out.
 """
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="few calls (a CPU smoke test, not a number)")
     ap.add_argument("--profile", action="store_true", help="also cProfile the fn+bwd streams (top functions)")
+    bc.add_out_argument(ap)
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -145,7 +146,7 @@ def main(argv=None):
             prof.disable()
             print(f"--- cProfile {kernel} {what}: {calls} calls")
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    j, c = bc.write_results("host_overhead", rows, {"calls": calls})
+    j, c = bc.write_results(args.out, "host_overhead", rows, {"calls": calls})
     print(f"wrote {j}\n      {c}")
 
 

@@ -10,7 +10,8 @@ adapters with --lora); "infer" a forward under no_grad. Median step time over --
 warm-up; peak memory from torch after warm-up (and JAX's own peak for the pallas backend: torch
 cannot see it; with --graphs, the graph pools' bytes that no live tensor holds are added, since
 torch's allocated-bytes counter does not see the activations the replays write there).
-Writes bench/results/bench_patch_bisect-<gpu>-<stamp>.{json,csv,png}.
+Writes bench_patch_bisect-<model>-<mode>-<B>x<S>[-lora]-<backend>[-compile][-liger]-<device>.{json,csv,png}
+into --out.
 """
 from __future__ import annotations
 
@@ -211,6 +212,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="rotations over the patchable variants")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU, a few seconds")
+    bc.add_out_argument(p)
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.batch, a.seq_len, a.steps, a.warmup, a.rounds = "tiny", 1, 16, 1, 1, 1
@@ -277,8 +279,10 @@ def main(argv=None):
     print(title)
     bc.print_table(rows, COLUMNS)
     extra = {"args": vars(a), "title": title}
-    jpath, cpath = bc.write_results(
-        f"bench_patch_bisect-{a.model}-{a.mode}-{a.batch}x{a.seq_len}{'-lora' if a.lora else ''}-{a.backend}", rows, extra)
+    # runs that add torch.compile or Liger-Kernel are their own case: a plain re-run keeps them
+    case = (f"{a.model}-{a.mode}-{a.batch}x{a.seq_len}{'-lora' if a.lora else ''}-{a.backend}"
+            f"{'-compile' if a.compile else ''}{'-liger' if a.liger else ''}")
+    jpath, cpath = bc.write_results(a.out, "bench_patch_bisect", rows, extra, case=case)
     png = _plot(rows, jpath.with_suffix(".png"), title)
     print(f"wrote {jpath}\n      {cpath}" + (f"\n      {png}" if png else ""))
     return rows

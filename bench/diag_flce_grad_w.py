@@ -7,9 +7,9 @@ block sizes against XLA's dot + add, and the row-chunk loss's memory and time by
                                               # memory (XLA's own analysis) and time, 16-32 chunks
 
 JAX only (no torch tensors, no bridge): what the kernel and the chunking cost by themselves.
-Session 5 on the H200 (bench/results/NOTES.md): XLA's dot + add 1.91 ms, the kernel 2.83 ms at
+Session 5 on the H200 (docs/lab-notes.md): XLA's dot + add 1.91 ms, the kernel 2.83 ms at
 (128, 256, 64), 8 warps, 4 stages (128256 x 4096, 1024 rows); the loss at 16 chunks 2,007 MiB,
-92 ms; 32 chunks 1,647 MiB, 105 ms. Writes bench/results/flce_grad_w-<gpu>-<stamp>.json.
+92 ms; 32 chunks 1,647 MiB, 105 ms. Writes flce_grad_w-<device>.{json,csv} into --out.
 """
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ def main():
     ap.add_argument("--rows", action="store_true")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (the interpreter on CPU)")
+    bc.add_out_argument(ap)
     args = ap.parse_args()
     rows = []
     if args.gemm:
@@ -105,7 +106,7 @@ def main():
         bc.print_table(got, ["chunks", "chunk_rows", "temp_mib", "out_mib", "total_mib", "ms"])
         rows += got
     if rows:
-        jpath, _ = bc.write_results("flce_grad_w", rows)
+        jpath, _ = bc.write_results(args.out, "flce_grad_w", rows)
         print(f"wrote {jpath}")
 
 

@@ -3,7 +3,7 @@
 A chain of N nodes on a tiny tensor (the device finishes each kernel long before the host issues
 the next): ``x * 1.0`` (a C++ autograd node) against an autograd.Function doing the same in
 Python, forward and ``backward()`` timed apart. Session 4 on the H200's host: +6 to +8 us per
-node forward, +3 to +7 us backward (bench/results/gpu-run-20261130-session4-run3.log), so the
+node forward, +3 to +7 us backward (docs/lab-notes.md, session 4 run 3), so the
 Python nodes forge adds (~100 per train step of a 24-layer model) cost ~1-1.5 ms, not the bulk
 of the host time.
 

@@ -3,7 +3,9 @@
 # for the real shapes only), then benchmark commands given one per line in $BENCHES. Logs and
 # result files land in $OUT (at most 8 files come back: keep the lists short).
 set -u
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 FORGE_BENCH_RESULTS=$OUT
+# results (stable names, one history.csv) go to $OUT; bring them into the repo with
+#   python bench/record.py <files_at>/*.json     (copies them into bench/results, appends history)
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 FORGE_BENCH_OUT=$OUT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 else
@@ -28,5 +30,5 @@ done <<< "${TESTS:-}"
 while IFS= read -r cmd; do
   [ -z "$cmd" ] && continue
   echo "== $cmd"
-  timeout "${BENCH_TIMEOUT:-150}" bash -c "$cmd" 2>&1 < /dev/null | grep -v "it/s\]" | tail -40
+  timeout "${BENCH_TIMEOUT:-150}" bash -c "$cmd" 2>&1 < /dev/null | tail -40  # (no progress bars off a terminal)
 done <<< "${BENCHES:-}"

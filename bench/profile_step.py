@@ -9,7 +9,7 @@ only less host work per call makes it faster.
     python bench/profile_step.py --mode train --batch 4 --seq-len 1024 \
         --variants eager,all,fused_linear_ce [--backend triton] [--min-elements 0]
 
-Writes bench/results/profile_step-<model>-<mode>-<B>x<S>-<gpu>-<stamp>.json.
+Writes profile_step-<model>-<mode>-<B>x<S>-<backend>-<device>.{json,csv} into --out.
 """
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--quick", action="store_true", help="tiny preset on the CPU")
+    bc.add_out_argument(p)
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
     name = "tiny" if a.quick else a.model
@@ -90,8 +91,7 @@ def main(argv=None):
         print("   top host:  ", "; ".join(f"{k[:40]} {t:.2f} ms x{c}" for k, t, c in row["top_host"]))
     bc.print_table([{k: r[k] for k in ("variant", "ms", "device_busy_ms", "host_self_ms")} for r in rows],
                    ["variant", "ms", "device_busy_ms", "host_self_ms"])
-    stem = f"profile_step-{name}-{a.mode}-{b}x{s}-{a.backend}"
-    bc.write_results(stem, rows, {"args": vars(a)})
+    bc.write_results(a.out, "profile_step", rows, {"args": vars(a)}, case=f"{name}-{a.mode}-{b}x{s}-{a.backend}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Sweep the launch settings of the Triton RMSNorm and RoPE kernels on the GPU (device time per
 call, bf16) and print the best; the winners become the module defaults.
 
-    python bench/tune_triton.py
+    python bench/tune_triton.py [--out DIR]
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -37,6 +38,9 @@ def _rms(shape, tile, progs_per_sm):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bc.add_out_argument(ap)
+    args = ap.parse_args()
     rows = []
     for (name, shape), tile, pps in itertools.product(shapes.RMSNORM_GPU.items(), (1024, 2048, 4096, 8192), (2, 4, 8, 16)):
         f, b, ff, fb = _rms(shape, tile, pps)
@@ -52,7 +56,7 @@ def main():
         rows.append({"kernel": "rope", "shape": name, "warps": warps, "fwd_us": f,
                      "fwd_frac": 2 * (q.numel() + k.numel()) * 2 / f / 1e3 / bc.COPY_CEILING_GBS})
     bc.print_table(rows, ["kernel", "shape", "tile", "progs_per_sm", "warps", "fwd_us", "bwd_us", "fwd_frac", "bwd_frac"])
-    bc.write_results("tune_triton", rows)
+    bc.write_results(args.out, "tune_triton", rows)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ from .errors import BackendUnavailableError, LabelDtypeError, UnsupportedModelEr
 # alternately): the smallest size from which the fused call was at least as fast as eager at
 # every larger size of the sweep, or NEVER where it was not (there the host cost of a call
 # exceeds what the kernel saves on the device up to the largest size swept). rmsnorm, rope and
-# the GLUs in inference: bench/results/bench_guard-h200-20261130-074132.* and -0750*. The GLU
-# keys in training run the whole MLP as one node (forge.spec.gated_mlp), swept as such:
-# bench_guard-h200-20261130-083633.* (triton from 8192 x 4864; pallas from 16384 x 4864).
+# the GLUs in inference: bench/results/bench_guard-geglu-rmsnorm-rope-swiglu-h200.* and
+# bench_guard-geglu-swiglu-h200.*. The GLU keys in training run the whole MLP as one node
+# (forge.spec.gated_mlp), swept as such: bench_guard-gated_mlp-h200.* (triton from 8192 x 4864;
+# pallas from 16384 x 4864).
 # Below its crossover the gated MLP still saves one rows x 4864 activation per layer (train
 # 4x1024: 30% of eager's peak memory instead of 42%) for ~0.1 ms of host time per layer call:
 # ``min_elements={"swiglu": 0}`` takes that trade.

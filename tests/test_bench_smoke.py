@@ -12,23 +12,37 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# what tqdm draws: carriage returns between redraws, block characters, the rate
+BAR_MARKS = ("\r", "it/s", "s/it", "\u2588", "%|")
 
 
-def _run(script, args, tmp_path):
-    env = dict(os.environ, FORGE_BENCH_RESULTS=str(tmp_path), PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
-                       env=env, timeout=600, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return p.stdout
+def _run(script, args, tmp_path, out=True, cwd=ROOT):
+    """Run a benchmark as a user sends its output to a file (stdout and stderr both, not a
+    terminal): it must succeed and the file must hold no progress bar."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("FORGE_BENCH_OUT", None)
+    log = tmp_path / "output.txt"
+    with log.open("w") as f:
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args,
+                            *(["--out", str(tmp_path)] if out else [])],
+                           stdout=f, stderr=subprocess.STDOUT, text=True, env=env, timeout=600, cwd=cwd)
+    text = log.read_text()
+    assert p.returncode == 0, text[-6000:]
+    assert not [m for m in BAR_MARKS if m in text], text[-2000:]
+    return text
 
 
-def _rows(tmp_path, stem):
-    csvs = sorted(tmp_path.glob(f"{stem}*.csv"))
-    jsons = sorted(tmp_path.glob(f"{stem}*.json"))
-    assert len(csvs) == 1 and len(jsons) == 1, list(tmp_path.iterdir())
+def _rows(folder, stem):
+    csvs = sorted(folder.glob(f"{stem}*.csv"))
+    jsons = sorted(folder.glob(f"{stem}*.json"))
+    assert len(csvs) == 1 and len(jsons) == 1, list(folder.iterdir())
+    assert csvs[0].stem == jsons[0].stem and jsons[0].stem.endswith("-cpu")  # stable name, no stamp
     meta = json.loads(jsons[0].read_text())
     for key in ("date", "device", "torch", "command"):
         assert meta["environment"][key], key
+    with (folder / "history.csv").open() as f:
+        hist = list(csv.DictReader(f))
+    assert [h["file"] for h in hist] == [jsons[0].stem] and hist[0]["summary"], hist
     with csvs[0].open() as f:
         return list(csv.DictReader(f))
 
@@ -48,11 +62,30 @@ def test_bench_patch_bisect_quick(tmp_path):
 
 @pytest.mark.slow
 def test_bench_backends_quick(tmp_path):
-    _run("bench_backends.py", ["--quick", "--kernels", "rmsnorm,rope", "--backends", "eager,triton"], tmp_path)
+    # a backend that is missing here (Liger-Kernel is not installed on CPU CI) gives a row with
+    # no timings, and the plot, drawn whenever matplotlib imports, must pass over it
+    pytest.importorskip("matplotlib", reason="the plot is drawn only with matplotlib installed")
+    backends = ["eager", "triton", "liger"]
+    _run("bench_backends.py", ["--quick", "--kernels", "rmsnorm,rope", "--backends", ",".join(backends)], tmp_path)
     rows = _rows(tmp_path, "bench_backends")
     assert {"kernel", "backend", "fwd_us", "bwd_us", "fwd_frac_ceiling", "host_us_per_call"} <= rows[0].keys()
-    assert {(r["kernel"], r["backend"]) for r in rows} == {(k, b) for k in ("rmsnorm", "rope") for b in ("eager", "triton")}
-    assert all(float(r["fwd_us"]) > 0 and float(r["bwd_us"]) > 0 for r in rows)
+    assert {(r["kernel"], r["backend"]) for r in rows} == {(k, b) for k in ("rmsnorm", "rope") for b in backends}
+    timed = [r for r in rows if r["note"] != "unavailable"]
+    assert {r["backend"] for r in timed} >= {"eager", "triton"}
+    assert all(float(r["fwd_us"]) > 0 and float(r["bwd_us"]) > 0 for r in timed)
+    png = tmp_path / "bench_backends-cpu.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_flce_quick(tmp_path):
+    # no --out and no $FORGE_BENCH_OUT: results go to ./forge-bench-results of the caller
+    _run("bench_flce.py", ["--quick"], tmp_path, out=False, cwd=tmp_path)
+    folder = tmp_path / "forge-bench-results"
+    rows = _rows(folder, "flce-tiny")
+    assert [r["impl"] for r in rows] == ["eager", "triton", "pallas"] and {r["case"] for r in rows} == {"tiny"}
+    assert all(float(r["ms"]) > 0 and float(r["extra_mib"]) >= 0 and r["time_vs_eager"] for r in rows)
+    assert not any(r.get("skipped") or r.get("exit_rc") for r in rows)
 
 
 @pytest.mark.slow
@@ -102,3 +135,31 @@ def test_bench_generate_quick(tmp_path):
     assert "the model is on cpu" in rows[2]["note"] and "skipped" in rows[3]["note"]
     assert float(rows[1]["same_tokens"]) == 1.0 and float(rows[2]["same_tokens"]) == 1.0
     assert len(list(tmp_path.glob("bench_generate*.png"))) == 1
+
+
+def test_results_overwrite_latest_and_append_history(tmp_path, monkeypatch):
+    """A re-run of a case replaces its result files and adds a history row; bench/record.py
+    copies results made elsewhere into a results folder the same way."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import _common as bc
+    import record
+
+    made = tmp_path / "gpu_out"
+    for ms in (2.0, 1.5):
+        jpath, _ = bc.write_results(made, "profile_step", [{"variant": "eager", "ms": ms}], case="tiny-train-1x16")
+    assert sorted(p.name for p in made.iterdir()) == [
+        "history.csv", "profile_step-tiny-train-1x16-cpu.csv", "profile_step-tiny-train-1x16-cpu.json"]
+    assert json.loads(jpath.read_text())["rows"] == [{"variant": "eager", "ms": 1.5}]
+    with (made / "history.csv").open() as f:
+        hist = list(csv.DictReader(f))
+    assert [h["summary"] for h in hist] == ["eager: ms=2", "eager: ms=1.5"]
+    assert {h["case"] for h in hist} == {"tiny-train-1x16"} and all(h["date"] for h in hist)
+
+    repo = tmp_path / "results"
+    record.record([jpath], repo)
+    record.record([jpath], repo)
+    assert (repo / jpath.name).read_text() == jpath.read_text() and (repo / "profile_step-tiny-train-1x16-cpu.csv").exists()
+    with (repo / "history.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
+    with pytest.raises(SystemExit, match="not a result file"):
+        record.record([made / "history.csv"], repo)

@@ -1,7 +1,7 @@
 """CUDA graphs around the decoder layers: ``forge.patch(model, graphs=True)``.
 
 A small model's step is host-bound: at Qwen2.5-0.5B train 4 x 1024 the H200 is busy ~32 ms of
-a ~70 ms forge step, at infer 4 x 1024 ~8 ms of ~16 (bench/results/NOTES.md, session 3); the
+a ~70 ms forge step, at infer 4 x 1024 ~8 ms of ~16 (docs/lab-notes.md, session 3); the
 rest is Hugging Face's Python and torch's per-op dispatch, ~40 launches per layer forward and ~80
 backward. With graphs on, each decoder layer's forward and backward are captured once per input
 shape and replayed: one launch each, whatever forge's kernels and the layer's own ops inside.
