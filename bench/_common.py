@@ -44,6 +44,14 @@ SUMMARY = {
 HISTORY_COLUMNS = ["date", "benchmark", "case", "device", "file", "command", "summary"]
 
 
+def save_figure(fig, title: str, path):
+    """Title, lay out and write a matplotlib figure; returns ``path``."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def add_out_argument(parser: argparse.ArgumentParser) -> None:
     """``--out DIR``, the folder a run writes its results into (created when missing)."""
     default = os.environ.get("FORGE_BENCH_OUT") or DEFAULT_OUT

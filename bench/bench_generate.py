@@ -145,10 +145,7 @@ def _plot(rows, path, title):
         ax.set_ylabel(label)
     axes[0].set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    return bc.save_figure(fig, title, path)
 
 
 def main(argv=None):

@@ -183,10 +183,7 @@ def _plot(rows, path, title):
     axes[1].barh(names, [r.get("mem_frac") or 0 for r in rows if r.get("step_ms")])
     axes[1].axvline(1.0, color="k", lw=0.6)
     axes[1].set_xlabel("peak memory / eager's")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    return bc.save_figure(fig, title, path)
 
 
 def main(argv=None):
