@@ -1,0 +1,384 @@
+"""Fine-tune peft LoRA adapters under FSDP2, eager and forge side by side.
+
+    torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --out runs/ft            # 200 steps
+    torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --model ~/Qwen2.5-0.5B --data notes.txt
+    torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --quick --out /tmp/ft     # CPU, gloo
+
+Each mode (``--mode eager|forge|both``) builds the same model and adapters (same seed), shards
+it with ``fully_shard`` per decoder layer and at the root, patches it with forge (mode forge:
+``--patch after`` or ``before`` sharding) and trains the adapters with AdamW on the same batches.
+
+Model: ``--model PATH`` loads local Hugging Face weights (``from_pretrained``); without it, a
+random-weight model of a bench preset's shape (bench/presets.py, ``--preset``). Data:
+``--data PATH`` (a text file, or a folder of .txt/.md/.rst); without it, the documentation that
+installed Python packages ship (.md/.txt/.rst under site-packages). Text is tokenised with the
+model folder's tokenizer if it has one, else with a byte-level BPE trained here with the
+``tokenizers`` library (vocabulary at most the model's). Nothing is downloaded.
+
+Written to ``--out``: ``loss.csv`` and ``loss.png`` (both curves), ``adapter-<mode>/`` (peft
+``save_pretrained``), ``summary.json`` (date, GPU, versions, command, arguments, final losses,
+step times, tokens/s and peak memory per rank, the relative loss difference at every logged step)
+and, with ``--profile``, ``profile-<mode>.json``: where rank 0's step spends its time.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # forge from this checkout; bench's presets
+
+from forge import _runtime  # noqa: E402
+
+_runtime.ensure_triton_mode()  # before transformers imports triton
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import csv  # noqa: E402
+import datetime as dt  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sysconfig  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+import forge  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="local Hugging Face model folder (default: random weights, --preset's shape)")
+    p.add_argument("--preset", default="qwen2.5-0.5b", help="bench/presets.py shape when --model is not given")
+    p.add_argument("--data", help="text file or folder (default: docs shipped in site-packages)")
+    p.add_argument("--mode", default="both", choices=("eager", "forge", "both"))
+    p.add_argument("--backend", default="triton", help="forge backend: triton, pallas or auto")
+    p.add_argument("--patch", default="after", choices=("before", "after"), help="forge.patch before or after fully_shard")
+    p.add_argument("--graphs", action="store_true", help="forge.patch(graphs=True) (FSDP2's hooks make it decline)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-text-mb", type=float, default=8.0, help="text read for the default corpus")
+    p.add_argument("--profile", action="store_true", help="profile a few steps on rank 0 (torch.profiler)")
+    p.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model, a few steps (CI)")
+    p.add_argument("--out", default="finetune_out")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.preset, a.model = "tiny", None
+        a.steps, a.batch, a.seq_len = min(a.steps, 4), 2, 32
+        a.max_text_mb = min(a.max_text_mb, 0.5)
+    return a
+
+
+# ----------------------------------------------------------------------------------- data
+def read_text(path: str | None, max_bytes: int) -> str:
+    if path and Path(path).is_file():
+        return Path(path).read_text(errors="replace")[:max_bytes]
+    top = Path(path) if path else Path(sysconfig.get_paths()["purelib"])
+    files = sorted(f for f in top.rglob("*") if f.suffix.lower() in TEXT_SUFFIXES and f.is_file())
+    parts, size = [], 0
+    for f in files:
+        t = f.read_text(errors="replace")
+        parts.append(t)
+        size += len(t)
+        if size >= max_bytes:
+            break
+    if not parts:
+        raise SystemExit(f"no {'/'.join(TEXT_SUFFIXES)} text under {top}")
+    return "\n\n".join(parts)[:max_bytes]
+
+
+def tokenize(a, vocab_size: int, out: Path) -> torch.Tensor:
+    """Token ids of the corpus (rank 0 makes them, every rank reads them)."""
+    path = out / "data" / "tokens.pt"
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = read_text(a.data, int(a.max_text_mb * 2**20))
+        tok = None
+        if a.model:
+            from transformers import AutoTokenizer
+
+            with contextlib.suppress(Exception):  # no tokenizer files in the folder: train one
+                tok = AutoTokenizer.from_pretrained(a.model)
+        if tok is not None:
+            ids = tok(text, return_attention_mask=False)["input_ids"]
+            how = f"{type(tok).__name__} from {a.model}"
+        else:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+            bpe = Tokenizer(models.BPE())
+            bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            bpe.decoder = decoders.ByteLevel()
+            v = min(vocab_size, 32768)  # a few MB of text does not fill more
+            trainer = trainers.BpeTrainer(vocab_size=v, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                          show_progress=False)
+            bpe.train_from_iterator(text.split("\n\n"), trainer)
+            bpe.save(str(out / "data" / "tokenizer.json"))
+            ids = bpe.encode(text).ids
+            how = f"byte-level BPE trained here, vocab {bpe.get_vocab_size()}"
+        torch.save({"ids": torch.tensor(ids, dtype=torch.int32), "how": how, "chars": len(text)}, path)
+    dist.barrier()
+    d = torch.load(path)
+    if int(d["ids"].max()) >= vocab_size:
+        raise SystemExit(f"token id {int(d['ids'].max())} >= the model's vocab {vocab_size}")
+    a.data_info = {"tokens": d["ids"].numel(), "chars": d["chars"], "tokenizer": d["how"], "source": a.data or "site-packages docs"}
+    return d["ids"].long()
+
+
+def batch_at(ids: torch.Tensor, step: int, a, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s sequences of step ``step``: consecutive windows, wrapping around."""
+    n = ids.numel() // a.seq_len
+    if n < 1:
+        raise SystemExit(f"the corpus ({ids.numel()} tokens) is shorter than --seq-len {a.seq_len}")
+    first = (step * world + rank) * a.batch
+    rows = [(first + i) % n for i in range(a.batch)]
+    return torch.stack([ids[r * a.seq_len:(r + 1) * a.seq_len] for r in rows])
+
+
+# ----------------------------------------------------------------------------------- model
+def build(a, device, dtype):
+    import peft
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(a.seed)
+    if a.model:
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype, attn_implementation="sdpa").to(device)
+    else:
+        from presets import PRESETS
+
+        cfg = dict(PRESETS[a.preset])
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    cfg = peft.LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, lora_dropout=a.lora_dropout, target_modules=TARGETS)
+    return peft.get_peft_model(model, cfg).train()  # adapters in fp32 (peft's default)
+
+
+def shard(model):
+    root = model.get_base_model()
+    for layer in getattr(root, root.base_model_prefix).layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def full_adapter_state(model) -> dict:
+    """The adapter weights gathered from their shards (every rank must call this)."""
+    return {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------------- one mode
+def train(a, mode, ids, device, out: Path) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = build(a, device, dtype)
+    patched = {}
+    if mode == "forge" and a.patch == "before":
+        forge.patch(model, backend=a.backend, graphs=a.graphs)
+    shard(model)
+    if mode == "forge" and a.patch == "after":
+        forge.patch(model, backend=a.backend, graphs=a.graphs)
+    if mode == "forge":
+        patched = {"counts": dict(model._forge_patched_counts), "skipped": dict(model._forge_skipped)}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    bar = None
+    if rank == 0 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=a.steps, desc=mode, unit="step")
+    losses, times = [], []
+    for step in range(a.steps):
+        torch.manual_seed(a.seed * 100003 + step * world + rank)  # dropout: seeded alike in both modes
+        x = batch_at(ids, step, a, rank, world).to(device)
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().float().reshape(1)
+        dist.all_reduce(mean)  # also waits for the step's device work
+        times.append(time.perf_counter() - t0)
+        losses.append(mean.item() / world)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    if bar is not None:
+        bar.close()
+    prof = profile_steps(a, model, opt, ids, device) if a.profile else None
+    steady = times[min(5, len(times) - 1):]  # the first steps compile and warm up
+    step_s = statistics.median(steady)
+    mine = {"tokens_per_s": a.batch * a.seq_len / step_s, "step_ms_median": 1e3 * step_s,
+            "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    state = full_adapter_state(model)
+    if rank == 0:
+        model.save_pretrained(str(out / f"adapter-{mode}"), state_dict=state)
+        if prof is not None:
+            (out / f"profile-{mode}.json").write_text(json.dumps(prof, indent=2))
+    del model, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"losses": losses, "step_ms": [1e3 * t for t in times], "per_rank": per_rank, **patched,
+            "profile": prof}
+
+
+def profile_steps(a, model, opt, ids, device, steps=3) -> dict | None:
+    """A few more steps, traced by torch.profiler on rank 0 (the other ranks run them plainly)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ctx = profile(activities=acts) if rank == 0 else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    with ctx as prof:
+        for s in range(steps):
+            x = batch_at(ids, a.steps + s, a, rank, world).to(device)
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall = (time.perf_counter() - t0) / steps
+    if rank != 0:
+        return None
+    return summarize_profile(prof, wall, steps)
+
+
+def summarize_profile(prof, wall_s: float, steps: int) -> dict:
+    """Device kernel time per step in four bins, and host time, with the top kernels."""
+    from torch.autograd import DeviceType
+
+    bins = {"nccl (all-gather / reduce-scatter)": 0.0, "forge LoRA kernels": 0.0, "matmuls (cuBLAS)": 0.0,
+            "other device kernels": 0.0}
+    top, host = [], 0.0
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CPU:
+            host += e.self_cpu_time_total / 1e3
+            continue
+        ms = e.self_device_time_total / 1e3
+        if ms <= 0:
+            continue
+        k = e.key.lower()
+        if "nccl" in k:
+            b = "nccl (all-gather / reduce-scatter)"
+        elif "lora" in k:
+            b = "forge LoRA kernels"
+        elif any(s in k for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")):
+            b = "matmuls (cuBLAS)"
+        else:
+            b = "other device kernels"
+        bins[b] += ms
+        top.append((ms / steps, e.count // steps, e.key[:90]))
+    top.sort(reverse=True)
+    per_step = {k: v / steps for k, v in bins.items()}
+    compute = sum(v for k, v in per_step.items() if not k.startswith("nccl"))
+    return {"wall_ms_per_step": 1e3 * wall_s, "device_ms_per_step": per_step,
+            "compute_busy_ms_per_step": compute, "host_op_ms_per_step": host / steps,
+            "note": "nccl kernels run on their own stream, overlapping compute; host_op_ms is the CPU self "
+                    "time of torch ops (Python between ops not included)",
+            "top_kernels_ms_per_step": [list(t) for t in top[:15]]}
+
+
+# ----------------------------------------------------------------------------------- artifacts
+def write_artifacts(a, out: Path, res: dict, device):
+    modes = list(res)
+    n = a.steps
+    with (out / "loss.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step"] + [f"loss_{m}" for m in modes] + [f"step_ms_{m}" for m in modes])
+        for i in range(n):
+            w.writerow([i] + [f"{res[m]['losses'][i]:.6f}" for m in modes] + [f"{res[m]['step_ms'][i]:.2f}" for m in modes])
+    rel = []
+    if len(modes) == 2:
+        rel = [abs(f - e) / abs(e) for e, f in zip(res["eager"]["losses"], res["forge"]["losses"])]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for m in modes:
+            ax.plot(range(n), res[m]["losses"], label=f"{m} ({statistics.median(res[m]['step_ms'][5:] or res[m]['step_ms']):.0f} ms/step)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (mean over ranks)")
+        ax.set_title(f"LoRA r={a.lora_r} under FSDP2, {dist.get_world_size()} ranks")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=120)
+        plt.close(fig)
+    except ImportError as e:
+        print(f"no loss.png: {e}")
+    versions = {}
+    for mod in ("torch", "transformers", "peft", "triton", "jax", "tokenizers"):
+        with contextlib.suppress(Exception):
+            versions[mod] = __import__(mod).__version__
+    versions["forge"] = forge.__version__
+    summary = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": dist.get_world_size(), "versions": versions,
+        "command": " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}"] + sys.argv),
+        "args": {k: v for k, v in vars(a).items() if k != "data_info"}, "data": a.data_info,
+        "final_loss": {m: res[m]["losses"][-1] for m in modes},
+        "step_ms_median": {m: statistics.median(res[m]["step_ms"][min(5, n - 1):]) for m in modes},
+        "per_rank": {m: res[m]["per_rank"] for m in modes},
+        "forge": {k: res["forge"][k] for k in ("counts", "skipped")} if "forge" in res else None,
+        "rel_loss_diff_per_step": rel, "max_rel_loss_diff": max(rel) if rel else None,
+        "profile": {m: res[m]["profile"] for m in modes if res[m]["profile"]},
+    }
+    if len(modes) == 2:
+        e, f = summary["step_ms_median"]["eager"], summary["step_ms_median"]["forge"]
+        summary["speedup_forge_vs_eager"] = e / f
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv=None):
+    a = parse(argv)
+    cuda = not a.quick and torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    out = Path(a.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        from transformers import AutoConfig
+
+        vocab = (AutoConfig.from_pretrained(a.model).vocab_size if a.model else
+                 __import__("presets").PRESETS[a.preset]["vocab_size"])
+        ids = tokenize(a, vocab, out)
+        res = {m: train(a, m, ids, device, out) for m in (("eager", "forge") if a.mode == "both" else (a.mode,))}
+        if dist.get_rank() == 0:
+            s = write_artifacts(a, out, res, device)
+            for m in res:
+                print(f"{m}: final loss {s['final_loss'][m]:.4f}, {s['step_ms_median'][m]:.1f} ms/step, "
+                      f"tokens/s per rank {[round(r['tokens_per_s']) for r in s['per_rank'][m]]}")
+            if s["max_rel_loss_diff"] is not None:
+                print(f"forge vs eager: max relative loss difference {s['max_rel_loss_diff']:.2e}, "
+                      f"speed-up {s['speedup_forge_vs_eager']:.2f}x")
+            for m, p in s["profile"].items():
+                print(f"profile {m}: " + json.dumps({k: v for k, v in p.items() if k != "top_kernels_ms_per_step"}))
+            print(f"artifacts in {out}")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
