@@ -3,7 +3,7 @@
 Lowering: every kernel here is written for Pallas' Triton lowering (``pallas_call`` with
 ``pallas.triton.CompilerParams``), refs indexed with ``pl.ds`` and masked
 ``pallas.triton.load/store`` over power-of-two lanes. On the H200 with jax 0.11.2 it matches
-Triton's own speed (shared/MEASURED.md); jax 0.11 deprecates it in favour of Mosaic GPU, which
+Triton's own speed (docs/design.md); jax 0.11 deprecates it in favour of Mosaic GPU, which
 needs its own kernels: each kernel module routes its launches through one ``_launch`` function
 so a Mosaic GPU variant can be added beside it. Without a GPU in JAX the same calls run with
 ``interpret=True`` (jax 0.10.2 CPU in CI). Pure JAX: never import torch here.

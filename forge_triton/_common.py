@@ -90,7 +90,7 @@ def next_pow2(n: int) -> int:
 
 def dot_upcast() -> bool:
     """Triton's interpreter returns garbage for bf16 ``tl.dot``: upcast operands to fp32 there.
-    Kernels take this as a constexpr (see shared/MEASURED.md)."""
+    Kernels take this as a constexpr (see docs/design.md)."""
     return INTERPRET
 
 

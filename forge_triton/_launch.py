@@ -1,5 +1,5 @@
 """A cheaper launch of forge's compiled Triton kernels: host time per call is what decides a
-small model's step (bench/bench_host_overhead.py, shared/MEASURED.md).
+small model's step (bench/bench_host_overhead.py, docs/design.md).
 
 ``kernel[grid](*args, **meta)`` goes through ``JITFunction.run`` every time: it binds and
 specialises every argument, builds a cache key (a ``str`` of the options dict), reads the knobs,

@@ -1,4 +1,4 @@
-"""The correctness oracle (DESIGN.md): one routine every kernel test calls.
+"""The correctness oracle (docs/design.md): one routine every kernel test calls.
 
 ``check_op`` runs the spec reference in float64 (on the test device), the same reference eagerly in the
 test dtype on the test device, and the kernel; then compares every output and every input

@@ -1,4 +1,4 @@
-"""The oracle's tolerance rule (DESIGN.md, "Correctness").
+"""The oracle's tolerance rule (docs/design.md, "The correctness oracle").
 
 A kernel output in dtype d passes when
 
