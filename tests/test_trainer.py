@@ -120,3 +120,15 @@ def test_trainer_bf16(tmp_path):
     # the weights stay fp32, the matmuls and what they feed run in bf16: the bf16 rule applies
     need(BACKEND)
     run_three(tmp_path, dtype=torch.bfloat16, bf16=True)
+
+
+def test_trainer_example_quick():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "examples" / "train_with_trainer.py"), "--quick"],
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trained 3 steps" in r.stdout and "rmsnorm" in r.stdout, r.stdout[-2000:]
