@@ -134,7 +134,10 @@ def test_bench_generate_quick(tmp_path):
     # no CUDA: the graphs variant's generate() runs as before, and says why
     assert "the model is on cpu" in rows[2]["note"] and "skipped" in rows[3]["note"]
     assert float(rows[1]["same_tokens"]) == 1.0 and float(rows[2]["same_tokens"]) == 1.0
-    assert len(list(tmp_path.glob("bench_generate*.png"))) == 1
+    import importlib.util
+
+    # the plot is drawn whenever matplotlib imports (not a test dependency)
+    assert len(list(tmp_path.glob("bench_generate*.png"))) == (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_results_overwrite_latest_and_append_history(tmp_path, monkeypatch):
