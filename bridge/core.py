@@ -208,10 +208,6 @@ def to_jax(t: torch.Tensor, pos: int = 0, kname: str = "bridge"):
     return _import(t)
 
 
-def clear_cache() -> None:
-    """Nothing to drop: the bridge keeps no JAX views between calls (see ``_inputs_to_jax``)."""
-
-
 def to_torch(a) -> torch.Tensor:
     return torch.from_dlpack(a)
 
@@ -262,6 +258,7 @@ class _Bridged(torch.autograd.Function):
         if p is not None:
             dins = p(leaves)
         else:
+            _refuse_capture(kdef, "bwd")
             jx = tuple(None if t is None else to_jax(t, i, kdef.name) for i, t in enumerate(saved[:n]))
             res = tuple(to_jax(r) for r in saved[n:])
             g = tuple(to_jax(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
@@ -275,20 +272,22 @@ class _Bridged(torch.autograd.Function):
         return tuple(out)
 
 
+def _refuse_capture(kdef, which):
+    """JAX launches on its own stream: inside a torch CUDA-graph capture that is an error."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        why = native.status()["declined"].get(f"{kdef.name}/{which}") or native.available()[1]
+        raise RuntimeError(f"pallas kernel {kdef.name!r} ({which}) cannot be captured in a CUDA graph: it runs "
+                           f"through JAX on JAX's own stream ({why})")
+
+
 def _run_fwd(kdef, skey, tensors):
     """(outputs, residuals) of ``kdef``'s forward as torch tensors: natively launched where a
     plan serves it (bridge/native.py), through JAX and DLPack otherwise."""
     p = native.plan(kdef, "fwd", skey, kdef.py_fn("fwd", skey), tensors)
-    if p is not None:
-        if torch.is_grad_enabled():  # a frozen weight that requires grad must not build a graph here
-            with torch.no_grad():
-                outs, res = p(list(tensors))
-        else:
-            outs, res = p(list(tensors))
+    if p is not None:  # (the tensors are _prepare'd, hence detached: the plan builds no graph)
+        outs, res = p(list(tensors))
         return tuple(outs), tuple(res)
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"pallas kernel {kdef.name!r} cannot be captured in a CUDA graph: it runs through "
-                           f"JAX on JAX's own stream ({native.status()['declined'].get(kdef.name + '/fwd') or native.available()[1]})")
+    _refuse_capture(kdef, "fwd")
     outs, res = kdef.fwd_fn(skey)(*_inputs_to_jax(kdef, tensors))
     return tuple(to_torch(o) for o in outs), tuple(to_torch(r) for r in res)
 

@@ -24,7 +24,7 @@ from forge.spec import tolerance
 
 pytest.importorskip("jax")
 from bridge import _jax_internals as JI  # noqa: E402
-from bridge import core, native  # noqa: E402
+from bridge import native  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
