@@ -2,7 +2,7 @@
 torch.compile, forge under torch.compile and Liger-Kernel, side by side in one process.
 
     python bench/bench_patch_bisect.py --model qwen2.5-0.5b --mode train --batch 4 --seq-len 1024 \
-        [--backend triton|pallas] [--guard-stats] [--min-elements N] [--lora] [--compile] [--liger] [--graphs]
+        [--backend triton|pallas|triton,pallas] [--guard-stats] [--min-elements N] [--lora] [--compile] [--liger] [--graphs]
     python bench/bench_patch_bisect.py --quick      # tiny CPU smoke test (interpreters)
 
 "train" is a forward with labels plus backward (all parameters trainable, or only the LoRA
@@ -136,8 +136,8 @@ def _rounds(variants, model, a, ids):
         for label, ks, kw in variants:
             row = rows[label]
             if ks is not False:
-                kw = {"min_elements": a.min_elements, **kw}
-                forge.patch(model, mode=a.mode, backend=a.backend, kernels=ks, **kw)
+                kw = {"min_elements": a.min_elements, "backend": a.backends[0], **kw}
+                forge.patch(model, mode=a.mode, kernels=ks, **kw)
                 row["note"] = f"patched {dict(model._forge_patched_counts)}"
             warm = a.warmup if r == 0 else 1
             if kw.get("graphs"):  # captured at a shape's second call: keep the capture out of the timing
@@ -192,7 +192,8 @@ def main(argv=None):
     p.add_argument("--mode", default="train", choices=["train", "infer"])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--backend", default="triton", choices=["triton", "pallas"])
+    p.add_argument("--backend", default="triton",
+                   help="triton, pallas, or both comma-separated (every 'all' variant per backend, same rotation)")
     p.add_argument("--guard-stats", action="store_true")
     p.add_argument("--min-elements", type=int, default=None)
     p.add_argument("--alt-min-elements", type=json.loads, default=None, metavar="JSON",
@@ -211,6 +212,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU, a few seconds")
     bc.add_out_argument(p)
     a = p.parse_args(argv)
+    a.backends = a.backend.split(",")
+    if any(b not in ("triton", "pallas") for b in a.backends):
+        p.error(f"--backend: triton, pallas or both, not {a.backend!r}")
     if a.quick:
         a.model, a.batch, a.seq_len, a.steps, a.warmup, a.rounds = "tiny", 1, 16, 1, 1, 1
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
@@ -231,29 +235,31 @@ def main(argv=None):
         keys += ["lora_qkv", "lora_mlp"]
     base = "peft (eager)" if a.lora else "eager"
     # (label, kernels, patch keywords); kernels False: unpatched, a list: those alone, None: all
-    def every(kw):
+    def every(kw, backend):
         extra = "".join(f" + {k}" for k in kw if k != "min_elements")
         guard = f", min_elements={json.dumps(kw['min_elements'])}" if "min_elements" in kw else ""
-        return (f"forge {a.backend}: all{extra}{guard}", None, kw)
+        return (f"forge {backend}: all{extra}{guard}", None, {**kw, "backend": backend})
 
-    variants = [(base, False, {})] + ([] if a.no_single else [(f"forge {a.backend}: {k}", [k], {}) for k in keys])
-    variants.append(every({}))
-    if a.alt_min_elements is not None:
-        variants.append(every({"min_elements": a.alt_min_elements}))
-    if a.mode == "train" and a.recompute_mlp:  # (recompute_mlp fuses the MLP at every size)
-        variants.append(every({"recompute_mlp": True}))
-    if a.graphs:  # captured calls fuse whatever the guard says
-        variants.append(every({"graphs": True}))
-        if a.recompute_mlp and a.mode == "train":
-            variants.append(every({"graphs": True, "recompute_mlp": True}))
+    b0 = a.backends[0]
+    variants = [(base, False, {})] + ([] if a.no_single else [(f"forge {b0}: {k}", [k], {}) for k in keys])
+    for b in a.backends:
+        variants.append(every({}, b))
+        if a.alt_min_elements is not None:
+            variants.append(every({"min_elements": a.alt_min_elements}, b))
+        if a.mode == "train" and a.recompute_mlp:  # (recompute_mlp fuses the MLP at every size)
+            variants.append(every({"recompute_mlp": True}, b))
+        if a.graphs:  # captured calls fuse whatever the guard says
+            variants.append(every({"graphs": True}, b))
+            if a.recompute_mlp and a.mode == "train":
+                variants.append(every({"graphs": True, "recompute_mlp": True}, b))
     rows = _rounds(variants, model, a, ids)
     if a.compile and dev.type == "cuda":
         rows.append(_run("torch.compile", model, a, ids, compile_=True))
-        forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements)
+        forge.patch(model, mode=a.mode, backend=b0, min_elements=a.min_elements)
         try:
-            rows.append(_run(f"forge {a.backend} + torch.compile", model, a, ids, compile_=True))
+            rows.append(_run(f"forge {b0} + torch.compile", model, a, ids, compile_=True))
         except Exception as e:  # noqa: BLE001 - report, do not hide
-            rows.append({"variant": f"forge {a.backend} + torch.compile", "note": f"failed: {type(e).__name__}: {e}"[:300]})
+            rows.append({"variant": f"forge {b0} + torch.compile", "note": f"failed: {type(e).__name__}: {e}"[:300]})
         forge.unpatch(model)
         torch._dynamo.reset()
     if a.compile or a.liger:  # drift check: eager once more, after the long compile runs
@@ -277,7 +283,7 @@ def main(argv=None):
     bc.print_table(rows, COLUMNS)
     extra = {"args": vars(a), "title": title}
     # runs that add torch.compile or Liger-Kernel are their own case: a plain re-run keeps them
-    case = (f"{a.model}-{a.mode}-{a.batch}x{a.seq_len}{'-lora' if a.lora else ''}-{a.backend}"
+    case = (f"{a.model}-{a.mode}-{a.batch}x{a.seq_len}{'-lora' if a.lora else ''}-{'-'.join(a.backends)}"
             f"{'-compile' if a.compile else ''}{'-liger' if a.liger else ''}")
     jpath, cpath = bc.write_results(a.out, "bench_patch_bisect", rows, extra, case=case)
     png = _plot(rows, jpath.with_suffix(".png"), title)

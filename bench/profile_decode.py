@@ -1,0 +1,80 @@
+"""Where a decoding step's device time goes: forge with graphs (captured steps on forge's static
+cache) against transformers' static cache + torch.compile, per kernel, from torch's profiler.
+
+    python bench/profile_decode.py [--batches 8,32] [--prompt 128] [--new 64] [--top 15]
+
+For each batch size and variant: one warm generate() call, then one profiled call; prints the
+kernels with the most device time (us per decoding step) and the step's total kernel time and
+wall time. A diagnosis tool: it writes nothing but its printout.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import forge  # noqa: E402
+from bench_generate import _forget_compiled  # noqa: E402
+from presets import PRESETS, build  # noqa: E402
+
+
+def _kernels(prof):
+    acc = collections.Counter()
+    n = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name] += e.device_time
+            n[e.name] += 1
+    return acc, n
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    p.add_argument("--batches", default="8,32")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--top", type=int, default=15)
+    a = p.parse_args(argv)
+    model = build(a.model, torch.bfloat16, torch.device("cuda")).eval()
+    vocab = PRESETS[a.model]["vocab_size"]
+    for b in map(int, a.batches.split(",")):
+        ids = torch.randint(0, vocab, (b, a.prompt), device="cuda")
+        for variant in ("forge graphs", "static + compile"):
+            _forget_compiled(model)
+            kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=a.new, min_new_tokens=a.new)
+            if variant == "forge graphs":
+                forge.patch(model, mode="infer", backend="triton", graphs=True)
+            else:
+                kw["cache_implementation"] = "static"
+            model.generate(ids, **kw)
+            model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                model.generate(ids, **kw)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            acc, n = _kernels(prof)
+            steps = a.new - 1
+            total = sum(acc.values())
+            print(f"\n== batch {b} {variant}: wall {wall * 1e3:.1f} ms for {a.new} tokens "
+                  f"({wall / a.new * 1e3:.2f} ms/token, profiled), kernel time {total / 1e3:.1f} ms "
+                  f"({total / steps:.0f} us/step incl. prefill)")
+            for name, us in acc.most_common(a.top):
+                print(f"  {us / steps:9.1f} us/step  {n[name] / steps:6.1f} calls/step  {name[:110]}")
+            if variant == "forge graphs":
+                print("  stats:", model._forge_graphs.stats.as_dict())
+                forge.unpatch(model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
