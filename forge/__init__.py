@@ -19,11 +19,16 @@ from .errors import BackendUnavailableError, LabelDtypeError, UnsupportedModelEr
 # Calibrated on one H200 host with bench/bench_guard.py (streams of calls, eager and fused timed
 # alternately): the smallest size from which the fused call was at least as fast as eager at
 # every larger size of the sweep, or NEVER where it was not (there the host cost of a call
-# exceeds what the kernel saves on the device up to the largest size swept). rmsnorm, rope and
-# the GLUs in inference: bench/results/bench_guard-geglu-rmsnorm-rope-swiglu-h200.* and
-# bench_guard-geglu-swiglu-h200.*. The GLU keys in training run the whole MLP as one node
-# (forge.spec.gated_mlp), swept as such: bench_guard-gated_mlp-h200.* (triton from 8192 x 4864;
-# pallas from 16384 x 4864).
+# exceeds what the kernel saves on the device up to the largest size swept). The GLU keys in
+# training run the whole MLP as one node (forge.spec.gated_mlp), swept as such.
+# bench/results/bench_guard-gated_mlp-rmsnorm-rope-swiglu-h200.*: rmsnorm and rope pay from the
+# smallest call on both backends; the GLU from 4096 x 4864 (pallas in inference; triton's
+# crossover there is lower, its default kept from the earlier sweep) and the gated MLP in
+# training from 8192 x 4864 on both.
+# "pallas" holds for Pallas kernels launched natively on torch's stream (bridge/native.py);
+# "pallas-dlpack" where that path is unavailable (CPU interpret mode, or a JAX whose internals
+# changed) and every call goes through DLPack and JAX's runtime at 0.3-0.7 ms of host time:
+# there the shape-sensitive kernels never paid up to the largest size swept.
 # Below its crossover the gated MLP still saves one rows x 4864 activation per layer (train
 # 4x1024: 30% of eager's peak memory instead of 42%) for ~0.1 ms of host time per layer call:
 # ``min_elements={"swiglu": 0}`` takes that trade.
@@ -34,6 +39,10 @@ MIN_FUSED_ELEMENTS: dict = {
         "train": {"rmsnorm": 0, "rope": 0, "swiglu": 8192 * 4864, "geglu": 8192 * 4864},
     },
     "pallas": {
+        "infer": {"rmsnorm": 0, "rope": 0, "swiglu": 4096 * 4864, "geglu": 4096 * 4864},
+        "train": {"rmsnorm": 0, "rope": 0, "swiglu": 8192 * 4864, "geglu": 8192 * 4864},
+    },
+    "pallas-dlpack": {
         "infer": NEVER,
         "train": {"rmsnorm": NEVER, "rope": NEVER, "swiglu": 16384 * 4864, "geglu": 16384 * 4864},
     },

@@ -80,6 +80,20 @@ def test_graphs_take_pallas_only_when_launched_natively():
     assert not [m for m in model.modules() if "forward" in m.__dict__], "a refused patch left forwards behind"
 
 
+def test_graphs_accept_pallas_wherever_it_launches_natively(monkeypatch):
+    # the decision alone (CPU): with the native path available, no other check refuses Pallas
+    ok, why = ops.availability("pallas")
+    if not ok:
+        pytest.skip(why)
+    from bridge import native
+
+    monkeypatch.setattr(native, "available", lambda: (True, ""))
+    model = build_model("qwen2")
+    forge.patch(model, backend="pallas", graphs=True)
+    assert model._forge_graphs is not None and set(model._forge_backends.values()) == {"pallas"}
+    forge.unpatch(model)
+
+
 def test_cpu_calls_run_uncaptured_and_unpatch_restores():
     model = build_model("qwen2", attn_implementation="sdpa")
     ids, labels = _ids(model, 2, 8, "cpu")

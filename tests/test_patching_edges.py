@@ -376,3 +376,24 @@ def test_gpu_copies_run_fused_and_a_cpu_model_is_refused():
     forge.patch(cpu_model, mode="infer", kernels=["rmsnorm"])
     assert cpu_model._forge_patched_counts == {}
     assert "no backend can run rmsnorm" in cpu_model._forge_skipped["rmsnorm"]
+
+
+def test_pallas_defaults_follow_its_launch_path(monkeypatch):
+    # MIN_FUSED_ELEMENTS["pallas"] is calibrated for the native launch; where every call goes
+    # through DLPack (no native path: CPU, or a JAX whose internals moved) "pallas-dlpack" holds
+    ok, why = ops.availability("pallas")
+    if not ok:
+        pytest.skip(why)
+    from bridge import native
+
+    def threshold(native_ok):
+        monkeypatch.setattr(native, "available", lambda: (native_ok, "" if native_ok else "test: no native path"))
+        model = build_model("qwen2")
+        forge.patch(model, mode="infer", backend="pallas", kernels=["rmsnorm"])
+        return forge.report(model).kernels["rmsnorm"].min_elements
+
+    tables = forge.MIN_FUSED_ELEMENTS
+    assert threshold(True) == tables["pallas"]["infer"]["rmsnorm"] == 0
+    assert threshold(False) == NEVER  # tables["pallas-dlpack"]["infer"]
+    monkeypatch.setattr(forge, "MIN_FUSED_ELEMENTS", {"triton": 0, "pallas": 7})  # no dlpack entry: "pallas"
+    assert threshold(False) == 7

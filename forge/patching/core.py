@@ -425,7 +425,7 @@ def _apply_fused_ce(root, arch, p):
 def _apply_graphs(root, p):
     """Wrap each decoder layer's forward in its graph replay (forge.patching.graphs); returns the
     Graphs object (``model._forge_graphs``), or None with the reason in ``_forge_skipped``."""
-    for key in ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_mlp"):
+    for key in LAYER_KEYS:
         if key in p.counts and p.backend(key) == "pallas":
             # capturable only when launched natively on torch's stream (bridge/native.py)
             from bridge import native
@@ -436,12 +436,6 @@ def _apply_graphs(root, p):
                     f"graphs=True needs the kernels inside the decoder layers on torch's stream; {key!r} runs "
                     f"on 'pallas', whose native launch is unavailable here ({why}), so JAX would launch it on "
                     "its own stream, outside a torch CUDA graph: patch with backend='triton' or graphs=False")
-    for key in LAYER_KEYS:
-        if key in p.counts and p.backend(key) != "triton":
-            raise ValueError(
-                f"graphs=True needs the triton backend for the kernels inside the decoder layers; {key!r} "
-                f"runs on {p.backend(key)!r} (JAX launches its kernels on its own stream, outside a torch "
-                "CUDA graph): patch with backend='triton' or graphs=False")
     layers, why = _graphs.decoder_layers(root)
     if layers is None:
         p.skip("graphs", why)

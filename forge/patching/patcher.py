@@ -90,7 +90,13 @@ class Patcher:
             return 0  # asked for the MLP's memory saving: fused at every size
         import forge  # read at patch time so a user (or the calibration) can change it
 
-        d = forge.MIN_FUSED_ELEMENTS.get(self.backend(key), 0)
+        table, backend = forge.MIN_FUSED_ELEMENTS, self.backend(key)
+        if backend == "pallas" and "pallas-dlpack" in table:
+            from bridge import native  # (the pallas backend is loaded: its availability was checked)
+
+            if not native.available()[0]:
+                backend = "pallas-dlpack"  # every call pays DLPack and JAX's runtime
+        d = table.get(backend, 0)
         if isinstance(d, dict) and d.keys() & {"infer", "train"}:
             d = d.get(self.mode, 0)  # per-mode defaults
         return int(d.get(key, 0) if isinstance(d, dict) else d)
