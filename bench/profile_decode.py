@@ -47,13 +47,16 @@ def main(argv=None):
     vocab = PRESETS[a.model]["vocab_size"]
     for b in map(int, a.batches.split(",")):
         ids = torch.randint(0, vocab, (b, a.prompt), device="cuda")
-        for variant in ("forge graphs", "static + compile"):
+        for variant in ("forge graphs", "static + compile", "forge static uncaptured"):
             _forget_compiled(model)
             kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=a.new, min_new_tokens=a.new)
             if variant == "forge graphs":
                 forge.patch(model, mode="infer", backend="triton", graphs=True)
             else:
                 kw["cache_implementation"] = "static"
+            if variant == "forge static uncaptured":  # the same kernels, attributed to torch ops
+                forge.patch(model, mode="infer", backend="triton")
+                kw["disable_compile"] = True
             model.generate(ids, **kw)
             model.generate(ids, **kw)
             torch.cuda.synchronize()
@@ -72,7 +75,9 @@ def main(argv=None):
                 print(f"  {us / steps:9.1f} us/step  {n[name] / steps:6.1f} calls/step  {name[:110]}")
             if variant == "forge graphs":
                 print("  stats:", model._forge_graphs.stats.as_dict())
-                forge.unpatch(model)
+            if variant == "forge static uncaptured":
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=a.top))
+            forge.unpatch(model)
     return 0
 
 
