@@ -333,3 +333,41 @@ def test_unpatch_frees_the_decode_graphs_and_cache():
     torch.cuda.empty_cache()  # no gc.collect(): nothing may wait for one
     assert torch.cuda.memory_allocated() < held[0], "unpatch kept the static cache"
     assert torch.cuda.memory_reserved() < held[1], "unpatch kept the graph pool"
+
+
+def test_packed_gqa_attention_matches_repeated_kv():
+    # one new token per sequence: the query heads of each KV head attend as that head's rows
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    g = torch.Generator().manual_seed(0)
+    b, hk, groups, length, d = 3, 2, 4, 11, 8
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups
+    q = torch.randn(b, 1, hk * groups, d, generator=g).transpose(1, 2)  # (B, H, 1, D) as a view, like HF's
+    k, v = (torch.randn(b, hk, length, d, generator=g) for _ in range(2))
+    keep = torch.rand(b, 1, 1, length + 3, generator=g) > 0.3  # wider than the keys, as a static cache's
+    keep[..., 0] = True
+    calls = []
+
+    def orig(*a, **kw):
+        calls.append(a[1].shape)
+        return "delegated", None
+
+    for mask in (keep, torch.where(keep, 0.0, float("-inf")), None):
+        got, _ = decode_runtime._packed_sdpa(orig, module, q, k, v, mask, scaling=0.3, sliding_window=None)
+        m = None if mask is None else mask[..., :length]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=m, scale=0.3)
+        torch.testing.assert_close(got, ref.transpose(1, 2))
+        assert got.shape == (b, 1, hk * groups, d) and got.is_contiguous()
+    assert not calls
+    # anything else goes to transformers' own function: two query tokens, a per-head mask, softcapping
+    assert decode_runtime._packed_sdpa(orig, module, q.expand(b, hk * groups, 2, d), k, v, None)[0] == "delegated"
+    per_head = torch.ones(b, hk * groups, 1, length, dtype=torch.bool)
+    assert decode_runtime._packed_sdpa(orig, module, q, k, v, per_head)[0] == "delegated"
+    assert decode_runtime._packed_sdpa(orig, module, q, k, v, None, softcap=50.0)[0] == "delegated"
+    assert len(calls) == 3
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with decode_runtime.packed_gqa():
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
