@@ -149,6 +149,9 @@ def test_greedy_left_padded_batch_matches_eager(model_type, fake_graphs):
     # call warms up twice and captures at its third step; the forced runs replay from then on
     assert st.decode_captures == 1 and st.decode_caches == 1, st
     assert st.why["decoding step: warm-up before capture"] == decode_runtime.WARMUP, st
+    # the prompt runs into a DynamicCache and is copied into the static one (three generate
+    # calls: the greedy one and two forced ones); gemma2's sliding layers keep the static prefill
+    assert model._forge_graphs.decode.prefills == (0 if model_type == "gemma2" else 3)
     full = st.why.get("decoding step: a sliding window is full (transformers' rolling update runs uncaptured)", 0)
     if model_type == "gemma2":  # window 6: steps from cache length 6 on run uncaptured
         assert full > 0 and st.decode_replayed > 0, st

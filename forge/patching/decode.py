@@ -45,6 +45,8 @@ MODES = ("greedy_search", "sample")
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
 _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                           "return_dict", "output_attentions", "output_hidden_states"})
+_PREFILL_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
+                             "return_dict", "cache_position"})
 _module_mod = nn.modules.module
 
 
@@ -122,6 +124,7 @@ class Decoder:
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
         self.cache_name = None
+        self.prefills = 0  # prompts run into a DynamicCache and copied into the static one
         self._mods = list(root.modules())
 
     # -- generate() ----------------------------------------------------------------------------
@@ -215,8 +218,10 @@ class Decoder:
         if slot is None or model is not self.root or args or kwargs.get(self.cache_name) is not slot.cache:
             return None
         ids = kwargs.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
-            return None  # the prefill: the layers' graphs decide
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return None
+        if ids.shape[1] != 1:
+            return self._prefill(model, kwargs, ids, slot)
         g = self.graphs
         sig, why = self._signature(kwargs, ids, slot)
         g.paused = True
@@ -231,6 +236,41 @@ class Decoder:
             return out if out is not None else type(model).forward(model, **kwargs)
         finally:
             g.paused = False
+
+    def _prefill(self, model, kwargs, ids, slot):
+        """The prompt's forward into a fresh DynamicCache, as without forge's cache (a causal SDPA
+        call per layer with no mask where no row is padded, and the layer graphs may replay it),
+        then its keys and values copied into the static cache. Run against the static cache
+        itself, every layer would attend over the cache's whole capacity under a 4-D mask
+        (time to first token 36 ms against eager's 20 ms at batch 32, prompt 128, on the H200).
+        None (run as before) for a cache with sliding-window layers or a mask it cannot read."""
+        from transformers.cache_utils import StaticLayer
+
+        if (slot.sliding or slot.filled or set(kwargs) - _PREFILL_KWARGS - {self.cache_name}
+                or not all(type(ly) is StaticLayer for ly in slot.cache.layers)):
+            return None
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):
+            mask = mask.get("full_attention") if len(mask) == 1 else None
+        n = ids.shape[1]
+        if type(mask) is not torch.Tensor or mask.dim() != 4 or mask.shape[0] != ids.shape[0] or mask.shape[2] != n:
+            return None
+        # the last prompt position attends to every key that is not padding: its row of the
+        # causal 4-D mask is the 2-D padding mask (bool: True attends; float: 0 attends)
+        last = mask[:, 0, -1, :n]
+        pad2d = (last if last.dtype is torch.bool else last == 0).long()
+        dyn = self.graphs._dynamic_cache()
+        out = type(model).forward(model, **{**kwargs, "attention_mask": pad2d, self.cache_name: dyn})
+        for ly, src in zip(slot.cache.layers, dyn.layers):
+            if not ly.is_initialized:
+                ly.lazy_initialization(src.keys, src.values)
+            ly.keys[:, :, :n].copy_(src.keys)
+            ly.values[:, :, :n].copy_(src.values)
+            ly.cumulative_length.fill_(n)
+        slot.filled = True
+        self.prefills += 1
+        out.past_key_values = slot.cache
+        return out
 
     def _signature(self, kwargs, ids, slot):
         extra = kwargs.keys() - _STEP_KWARGS - {self.cache_name}

@@ -166,6 +166,7 @@ class CachedSteps:
 
     def __init__(self, cache, batch: int, capacity: int):
         self.cache, self.batch, self.capacity = cache, batch, capacity
+        self.filled = False  # the prompt is in the cache (decode.Decoder._prefill)
         self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
         self.steps: dict[tuple, _Step] = {}
         self.seen: dict[tuple, int] = {}
@@ -174,6 +175,7 @@ class CachedSteps:
     def reset(self):
         """Empty the cache in place (its tensors keep their addresses: the graphs stay valid)."""
         self.cache.reset()
+        self.filled = False
 
     def full_window(self) -> bool:
         """A sliding-window layer holds its whole window: transformers' update then rolls the
