@@ -641,6 +641,25 @@ def _build(fn, args, key_prefix):
     return Plan(steps, template, in_slots, _assembler(shape), dev)
 
 
+def pallas_eqns(fn, args) -> list:
+    """The ``pallas_call`` equations of ``fn`` traced on ``args`` (avals or arrays; tuples
+    allowed), in program order, nested calls included."""
+    import jax
+
+    out = []
+
+    def walk(jx):
+        for e in jx.eqns:
+            sub = JI.subjaxpr(e)
+            if sub is not None:
+                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+            elif e.primitive.name == JI.PALLAS_CALL:
+                out.append(e)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out
+
+
 def _aval(t):
     import jax
 
