@@ -109,6 +109,12 @@ def row_programs(n: int) -> int:
     return max(2, int(n))
 
 
+def cdiv_traced(a, b: int):
+    """ceil(a / b) of a traced int32 (a run-time row count) by a static int, int32 also under
+    ``jax_enable_x64`` (``pl.cdiv`` would make ``b`` int64 there)."""
+    return jax.lax.div(a + i32(b - 1), i32(b))
+
+
 def read_rows(ref):
     """The scalar a :func:`rows_operand` holds, inside a kernel."""
     return load(ref.at[ds(0, 1)])[0]

@@ -48,7 +48,7 @@ def _rmsnorm_bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, m_ref, dx_ref, dwp_ref, 
     pid = pl.program_id(0)
     # the grid size as rmsnorm_bwd sets it, from the run-time row count (pl.num_programs would
     # be the traced grid's constant)
-    g = _bwd_programs(C.cdiv(m, block_m), jnp.minimum, jnp.maximum)
+    g = _bwd_programs(C.cdiv_traced(m, block_m), jnp.minimum, jnp.maximum).astype(jnp.int32)
     cols = jnp.arange(block_n)
     cmask = cols < n
     cs = C.ds(0, block_n)
@@ -72,8 +72,8 @@ def _rmsnorm_bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, m_ref, dx_ref, dwp_ref, 
             n_hat = n_hat.astype(x_ref.dtype).astype(acc)
         return dw_acc + jnp.sum(dy * n_hat, axis=0)
 
-    nblk = C.cdiv(m, block_m)
-    trips = jax.lax.div(nblk - pid + g - 1, g)  # this program's row blocks (all operands >= 0)
+    nblk = C.cdiv_traced(m, block_m)
+    trips = jax.lax.div((nblk - pid + g - 1).astype(jnp.int32), g)  # this program's row blocks (all operands >= 0)
     dw = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_n,), acc))
     C.store(dwp_ref.at[pid, cs], dw.astype(dwp_ref.dtype), mask=cmask)
 

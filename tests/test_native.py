@@ -267,6 +267,28 @@ def test_ttir_names_the_row_count_nowhere():
     assert re.search(r"\b896\b", low.ttir)  # the width (a stride and a mask bound) is in it
 
 
+def test_new_row_counts_share_the_compiled_kernels(launcher, tmp_path, monkeypatch):
+    """Plans are per shape, the compiled kernels per lowered module: forward and backward at
+    several row counts (one of them a single row) make a plan each but key two modules, as
+    many as one row count (the Triton launcher compiles each key once)."""
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    launcher("jax", lower=True)
+    f = ops.get("rmsnorm", "pallas")
+    for m in (1, 37, 300):
+        x = torch.randn(m, 64, requires_grad=True)
+        w = torch.randn(64, requires_grad=True)
+        f(x, w, 1e-6).sum().backward()
+        from forge.spec import rmsnorm as spec
+
+        want = spec.reference(x.detach().double(), w.detach().double(), 1e-6)
+        assert tolerance.rel_err(f(x, w, 1e-6).detach(), want) < 1e-5
+    st = native.status()
+    assert not st["declined"], st["declined"]
+    assert st["plans"] == 6  # (fwd, bwd) x 3 row counts
+    assert st["kernels"] == 2, st  # one forward module, one backward module
+    assert st["compiles"] == 0  # the JAX launcher compiles nothing; it only keys what Triton would
+
+
 def test_stale_weight_after_in_place_update(launcher):
     """A weight JAX had to copy on import (not 64-byte aligned) must not be cached: an in-place
     update (an optimizer step) has to reach the next call."""
