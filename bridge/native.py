@@ -107,13 +107,15 @@ def set_launcher(name: str | None, *, lower: bool = False) -> None:
     """``"jax"``: evaluate each ``pallas_call`` with JAX instead of launching it (CPU tests;
     with ``lower=True`` each one is also lowered to TTIR and keyed in the kernel table as the
     Triton launcher would compile it); ``"off"``: every call through JAX and DLPack; ``None``:
-    the default (``"triton"`` where JAX has a GPU). Clears the plans and the kernel table."""
+    the default (``"triton"`` where JAX has a GPU). Clears the plans, the kernel table and the
+    compile count."""
     global _LAUNCHER, _LOWER_WITH_JAX
     if name not in (None, "jax", "triton", "off"):
         raise ValueError(f"launcher must be None, 'jax', 'triton' or 'off', got {name!r}")
     _LAUNCHER = name
     _LOWER_WITH_JAX = bool(lower)
     _KERNELS.clear()
+    _COMPILES[0] = 0
     _process_reason.cache_clear()
     _available.cache_clear()
     clear()
