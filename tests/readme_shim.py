@@ -12,8 +12,10 @@ from HUB_IDS fail instead of downloading.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import runpy
+import shutil
 import sys
 import tempfile
 
@@ -39,6 +41,7 @@ def install():
                 from forge.__main__ import model_config
 
                 folders[name] = tempfile.mkdtemp(prefix="readme-tiny-")
+                atexit.register(shutil.rmtree, folders[name], ignore_errors=True)
                 with torch.random.fork_rng():
                     torch.manual_seed(0)
                     AutoModelForCausalLM.from_config(model_config(HUB_IDS[name])).save_pretrained(folders[name])
