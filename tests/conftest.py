@@ -20,7 +20,8 @@ HAS_CUDA = torch.cuda.is_available()
 # Modules whose unmarked cases build their models and tensors on the CPU (the interpreters'
 # path); their gpu-marked cases are the same checks on CUDA at real shapes.
 CPU_TENSOR_MODULES = ("test_patching.py", "test_lora_patching.py", "test_flce_contract.py",
-                      "test_patching_edges.py", "test_fsdp.py", "test_trainer.py")
+                      "test_patching_edges.py", "test_fsdp.py", "test_trainer.py",
+                      "test_sft_trainer.py", "test_save_reload.py")
 
 
 def pytest_collection_modifyitems(config, items):
