@@ -59,27 +59,9 @@ def _prepared(kdef, tensors):
     return tuple(None if t is None else core._prepare(t, i, kdef.name) for i, t in enumerate(tensors))
 
 
-def _fresh(ts, inputs):
-    """``ts`` with any tensor that shares memory with an input or an earlier one copied: an op's
-    outputs may alias neither (JAX may hand an input's buffer back as an output)."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
-    out = []
-    for t in ts:
-        p = t.untyped_storage().data_ptr() if t.numel() else None
-        if p is not None and p in seen:
-            t = t.clone()
-            p = t.untyped_storage().data_ptr()
-        if p is not None:
-            seen.add(p)
-        out.append(t)
-    return out
-
-
 def run_fwd(kdef, tensors, static):
     prepared = _prepared(kdef, tensors)
-    outs, res = core._run_fwd(kdef, tuple(static.items()), prepared)
-    fresh = _fresh(list(outs) + list(res), tensors)
-    return fresh[:len(outs)], fresh[len(outs):]
+    return core._run_fwd(kdef, tuple(static.items()), prepared)  # (the op layer copies aliases)
 
 
 def _torch_dtype(d) -> torch.dtype:
@@ -118,9 +100,7 @@ def run_bwd(kdef, inputs, res, grads, needs, static, dtypes):
     n = len(inputs)
     nt = _needs_tuple(kdef, needs, n)
     dins = core.run_bwd(kdef, tuple(static.items()), nt, _prepared(kdef, inputs), res, grads, _in_dtypes(dtypes))
-    got = {str(i): d for i, d in enumerate(dins) if nt[i]}
-    fresh = _fresh(list(got.values()), list(inputs) + list(res) + list(grads))
-    return dict(zip(got, fresh))
+    return {str(i): d for i, d in enumerate(dins) if nt[i]}
 
 
 def fake_bwd(kdef, inputs, res, grads, needs, static, dtypes):

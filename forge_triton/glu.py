@@ -200,7 +200,10 @@ def mlp_act(act: str) -> dict:
     """The gated MLP's pieces for the op layer's node (forge.ops.gated_mlp): the activation
     forward ``act(g, u) -> h`` and backward step ``act_bwd(dh, g, u) -> (dg, du, h)`` without
     autograd. Eagerly the backward step writes over g, u and dh (``inplace``); under
-    torch.compile both run as ops (``torch.ops.forge.triton_glu*``) into fresh tensors."""
+    torch.compile both run as ops (``torch.ops.forge.triton_glu*``) into fresh tensors;
+    ``act_bwd_fresh`` is the step into fresh tensors (the node's op, which may not write over
+    its inputs)."""
     gelu = act == "gelu_tanh"
     return dict(act=_act(gelu), act_bwd=_act_bwd(gelu), inplace=True,
-                device_type="cpu" if _common.INTERPRET else "cuda")
+                device_type="cpu" if _common.INTERPRET else "cuda",
+                act_bwd_fresh=lambda dh, g, u: glu_bwd_act(dh, g, u, gelu))

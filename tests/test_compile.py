@@ -116,8 +116,11 @@ def _opcheck_cases(backend):
         x = torch.randn(3, 16, requires_grad=True)
         w = [torch.randn(n, 16) for n in (16, 8, 8)]
         ab = [t.requires_grad_() for n in (16, 8, 8) for t in (torch.randn(r, 16), torch.randn(n, r))]
-        return f(x, w[0], torch.randn(16), ab[0], ab[1], w[1], None, ab[2], ab[3], w[2], None, ab[4], ab[5],
-                 scale_q=2.0, scale_k=0.5, scale_v=1.0)
+        with_bias = f(x, w[0], torch.randn(16), ab[0], ab[1], w[1], None, ab[2], ab[3], w[2], None, ab[4], ab[5],
+                      scale_q=2.0, scale_k=0.5, scale_v=1.0)
+        no_bias = f(x, w[0], None, ab[0], ab[1], w[1], None, ab[2], ab[3], w[2], None, ab[4], ab[5],
+                    scale_q=2.0, scale_k=0.5, scale_v=1.0)
+        return with_bias + no_bias
 
     def lora_mlp(f):
         x = torch.randn(3, 16, requires_grad=True)
@@ -127,24 +130,63 @@ def _opcheck_cases(backend):
         return f(x, wg, ab[0], ab[1], wu, ab[2], ab[3], wd, ab[4], ab[5], scale_gate=2.0, scale_up=0.5,
                  scale_down=1.0)
 
-    kernels["lora_qkv"], kernels["lora_mlp"] = lora_qkv, lora_mlp
-    from torch.overrides import TorchFunctionMode
+    def mlp_pieces(_f):
+        # the gated MLP's activation pieces, as a node traced by dynamo would call them
+        outs = ()
+        for act in ("silu", "gelu_tanh"):
+            pieces = ops._piece(backend, "mlp_act")(act)
+            g, u = torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)
+            step = pieces["act_bwd"](torch.randn(3, 16), g.detach().clone(), u.detach().clone())
+            outs += (pieces["act"](g, u), *(t.requires_grad_() for t in step))
+        return outs
 
-    class Record(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "_qualified_op_name", None) or getattr(getattr(func, "_schema", None), "name", "")
-            if str(name).startswith("forge::"):
+    kernels["lora_qkv"], kernels["lora_mlp"], kernels["mlp_act"] = lora_qkv, lora_mlp, mlp_pieces
+    import unittest.mock
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "forge":
                 calls.append((func, args, kwargs or {}))
             return func(*args, **(kwargs or {}))
 
-    # record the op calls the traced path makes: the functional API under a forced
-    # is_compiling (what dynamo sees), run eagerly
-    import unittest.mock
-
+    # the functional APIs as dynamo sees them (is_compiling() forced on), run eagerly: what they
+    # hand each op is recorded, forward and backward
     for key, make in kernels.items():
-        fn = ops.get(key, backend)
-        with unittest.mock.patch("torch.compiler.is_compiling", lambda: True), Record():
+        fn = ops.get(key, backend) if key != "mlp_act" else None
+        with unittest.mock.patch("torch.compiler.is_compiling", lambda: True), \
+                unittest.mock.patch("forge_triton._ops._compiling", lambda: True), Record():
             outs = make(fn)
             outs = outs if isinstance(outs, tuple) else (outs,)
             sum(o.float().sum() for o in outs).backward()
     return calls
+
+
+def _detach(a, grad):
+    if isinstance(a, torch.Tensor):
+        t = a.detach().clone()
+        return t.requires_grad_() if grad and t.is_floating_point() else t
+    if isinstance(a, list | tuple):
+        return type(a)(_detach(x, grad) for x in a)
+    return a
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_every_op(backend):
+    # every op of the backend, as the functional APIs call it (forward ops with inputs that
+    # require grad: their autograd is checked too), through torch.library.opcheck
+    need(backend)
+    calls = _opcheck_cases(backend)
+    from forge.ops import library
+
+    names = set(library.op_names(backend))
+    names |= {f"forge::{backend}_{k}_{p}" for k in ("gated_mlp", "fused_linear_ce") for p in ("fwd", "bwd")}
+    seen = {}
+    for func, args, kwargs in calls:
+        seen.setdefault(func.name(), (func, args, kwargs))
+    assert names <= seen.keys(), f"ops never called: {sorted(names - seen.keys())}"
+    for name, (func, args, kwargs) in sorted(seen.items()):
+        # inputs that require grad for forward ops with a backward (their autograd is checked)
+        grad = name.endswith("_fwd") and hasattr(torch.ops.forge, name.split("::")[1].removesuffix("_fwd") + "_bwd")
+        torch.library.opcheck(func, _detach(args, grad), _detach(kwargs, grad))

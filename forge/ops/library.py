@@ -53,6 +53,33 @@ def _expand(tensors, present):
     return tuple(next(it) if p else None for p in present)
 
 
+def _keys(t):
+    """What identifies ``t``'s memory: its storage, and (real tensors) its address, which JAX
+    outputs imported through DLPack share with an input without sharing its storage object."""
+    st = t.untyped_storage()
+    p = st.data_ptr()
+    return (("s", st._cdata), ("p", p)) if p else (("s", st._cdata),)
+
+
+def _fresh(ts, inputs):
+    """``ts`` with every tensor that shares memory with an input or an earlier one copied: an
+    op's outputs may alias neither (a kernel may return views of one buffer, e.g. the LoRA A
+    gradients cut from one GEMM, or JAX an input's buffer). The fakes go through it too (on
+    storages alone), so they alias exactly as the real outputs do: not at all. Not for inductor's
+    traced bodies (their outputs are fresh by contract)."""
+    seen = {k for t in inputs if isinstance(t, torch.Tensor) and t.numel() for k in _keys(t)}
+    out = []
+    for t in ts:
+        if t.numel():
+            ks = _keys(t)
+            if any(k in seen for k in ks):
+                t = t.clone()
+                ks = _keys(t)
+            seen.update(ks)
+        out.append(t)
+    return out
+
+
 def _materialise(grads, meta):
     return tuple(g if g is not None else torch.zeros(s, dtype=d, device=dev) for g, (s, d, dev) in zip(grads, meta))
 
@@ -70,16 +97,21 @@ class _Spec:
 def _define(spec: _Spec):
     """Register ``forge::<qualname>_fwd`` and ``_bwd`` with fakes and autograd; the forward op."""
     ad, kdef = spec.adaptor, spec.kdef
+    inductor = ad.inductor(kdef)
 
     def fwd_body(tensors: list[torch.Tensor], static: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         items, (present, _dtypes) = parse(static)
         outs, res = ad.run_fwd(kdef, _expand(tensors, present), dict(items))
-        return list(outs), list(res)
+        if inductor:  # traced by inductor: the backend's bodies return fresh tensors by contract
+            return list(outs), list(res)
+        both = _fresh(list(outs) + list(res), tensors)
+        return both[:len(outs)], both[len(outs):]
 
     def fwd_fake(tensors, static):
         items, (present, _dtypes) = parse(static)
         outs, res = ad.fake_fwd(kdef, _expand(tensors, present), dict(items))
-        return list(outs), list(res)
+        both = _fresh(list(outs) + list(res), tensors)
+        return both[:len(outs)], both[len(outs):]
 
     def bwd_body(saved: list[torch.Tensor], residuals: list[torch.Tensor], grads: list[torch.Tensor],
                  needs: list[bool], static: str) -> list[torch.Tensor]:
@@ -87,14 +119,16 @@ def _define(spec: _Spec):
         inputs = _expand(saved, ad.saved_present(kdef, present))
         out = ad.run_bwd(kdef, inputs, tuple(residuals), tuple(grads), _needs(kdef, ad, present, needs),
                          dict(items), dtypes)
-        return [out[n] for n, f in zip(ad.diff_names(kdef, len(present)), needs) if f]
+        got = [out[n] for n, f in zip(ad.diff_names(kdef, len(present)), needs) if f]
+        return got if inductor else _fresh(got, (*saved, *residuals, *grads))
 
     def bwd_fake(saved, residuals, grads, needs, static):
         items, (present, dtypes) = parse(static)
         inputs = _expand(saved, ad.saved_present(kdef, present))
         out = ad.fake_bwd(kdef, inputs, tuple(residuals), tuple(grads), _needs(kdef, ad, present, needs),
                           dict(items), dtypes)
-        return [out[n] for n, f in zip(ad.diff_names(kdef, len(present)), needs) if f]
+        return _fresh([out[n] for n, f in zip(ad.diff_names(kdef, len(present)), needs) if f],
+                      (*saved, *residuals, *grads))
 
     fwd_name, bwd_name = f"{NAMESPACE}::{spec.qualname}_fwd", f"{NAMESPACE}::{spec.qualname}_bwd"
     if ad.inductor(kdef):  # a GPU Triton kernel: inductor traces the body's wrap_triton launches
