@@ -47,7 +47,8 @@ _WANT = "cpu" if runtime.interpret() else "cuda"  # where the kernels take tenso
 
 
 def check_devices(**named) -> None:
-    want = _WANT
+    # (while torch.compile traces, the value read at import: interpret() calls into JAX)
+    want = _WANT if torch.compiler.is_compiling() else ("cpu" if runtime.interpret() else "cuda")
     for name, t in named.items():
         if t.device.type != want:
             where = "CPU tensors (JAX has no GPU: Pallas interpret mode)" if want == "cpu" else "CUDA tensors"

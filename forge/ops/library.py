@@ -57,7 +57,10 @@ def _keys(t):
     """What identifies ``t``'s memory: its storage, and (real tensors) its address, which JAX
     outputs imported through DLPack share with an input without sharing its storage object."""
     st = t.untyped_storage()
-    p = st.data_ptr()
+    try:
+        p = st.data_ptr()
+    except RuntimeError:  # a fake tensor's storage has no address
+        p = 0
     return (("s", st._cdata), ("p", p)) if p else (("s", st._cdata),)
 
 
