@@ -20,7 +20,7 @@ from forge.spec import fused_linear_ce as spec
 from forge.spec import tolerance
 from oracle import check_op
 
-BACKENDS = ["triton", "pallas"]
+BACKENDS = list(ops.BACKENDS)  # from the registry (forge.ops.BACKENDS_TABLE)
 # every backend with each strategy: vocabulary tiles, and row chunks (CPU 4 rows -> 4 chunks of
 # 13 rows, the last ragged; GPU 128 rows) forced where the default would pick the tiles
 VARIANTS = ["triton", "triton-rows", "pallas", "pallas-rows"]
