@@ -5,21 +5,29 @@ Importing this package imports neither torch-side kernels nor jax: modules load 
 and ``availability()`` says whether the pallas backend can run here. See ``bridge/core.py`` for
 the one generic autograd.Function and how to register a kernel; ``bridge/runtime.py`` for JAX's
 memory preallocation (``XLA_PYTHON_CLIENT_PREALLOCATE`` defaults to false) and interpret mode.
+
+Layer: the Pallas backend's torch side, above the spec (``forge.spec``) and ``forge_pallas``,
+below the op layer (``forge.ops``), which it never imports: the op layer installs its
+torch.library entry in ``core`` (through ``_ops``) and builds the gated MLP and the fused loss
+from this package's pieces (``mlp_act``, ``fused_linear_ce_*``).
 """
 from . import runtime  # sets XLA_PYTHON_CLIENT_PREALLOCATE before jax can start
 
 import importlib  # noqa: E402
 
-# public function -> module of bridge that defines it
+# public name -> (module of bridge that defines it, its name there)
 _WHERE = {
-    "rmsnorm": "kernels",
-    "swiglu": "kernels",
-    "geglu": "kernels",
-    "gated_mlp": "kernels",
-    "rope": "kernels",
-    "fused_linear_ce": "fused_linear_ce",
-    "lora_qkv": "lora",
-    "lora_mlp": "lora",
+    "rmsnorm": ("kernels", "rmsnorm"),
+    "swiglu": ("kernels", "swiglu"),
+    "geglu": ("kernels", "geglu"),
+    "rope": ("kernels", "rope"),
+    "lora_qkv": ("lora", "lora_qkv"),
+    "lora_mlp": ("lora", "lora_mlp"),
+    # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
+    "mlp_act": ("kernels", "mlp_act"),
+    "fused_linear_ce_prepare": ("fused_linear_ce", "prepare"),
+    "fused_linear_ce_compute": ("fused_linear_ce", "compute"),
+    "check_devices": ("kernels", "check_devices"),
 }
 
 
@@ -28,10 +36,10 @@ def availability() -> tuple[bool, str]:
 
 
 def __getattr__(name):
-    mod = _WHERE.get(name)
-    if mod is None:
+    where = _WHERE.get(name)
+    if where is None:
         raise AttributeError(f"module 'bridge' has no attribute {name!r}")
     runtime.require()
-    fn = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    fn = getattr(importlib.import_module(f"{__name__}.{where[0]}"), where[1])
     globals()[name] = fn
     return fn

@@ -248,28 +248,34 @@ class _Bridged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        kdef, n = ctx.kdef, ctx.n_in
+        n = ctx.n_in
         saved = ctx.saved_tensors  # raises if a saved input was modified in place
         needs = tuple(ctx.needs_input_grad[2:])
-        grads = tuple(_prepare(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
-        args = (tuple(saved[:n]), tuple(saved[n:]), grads)
-        leaves = native._leaves(args)
-        p = native.plan(kdef, "bwd", (ctx.skey, needs), kdef.py_fn("bwd", ctx.skey, needs), args, leaves)
-        if p is not None:
-            dins = p(leaves)
+        return (None, None, *run_bwd(ctx.kdef, ctx.skey, needs, saved[:n], saved[n:], grads, ctx.in_dtypes))
+
+
+def run_bwd(kdef, skey, needs, inputs, residuals, grads, in_dtypes):
+    """One gradient (or None) per input of ``kdef`` as torch tensors, in the inputs' dtypes:
+    natively launched where a plan serves it, through JAX and DLPack otherwise."""
+    grads = tuple(_prepare(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
+    args = (tuple(inputs), tuple(residuals), grads)
+    leaves = native._leaves(args)
+    p = native.plan(kdef, "bwd", (skey, needs), kdef.py_fn("bwd", skey, needs), args, leaves)
+    if p is not None:
+        dins = p(leaves)
+    else:
+        _refuse_capture(kdef, "bwd")
+        jx = tuple(None if t is None else to_jax(t, i, kdef.name) for i, t in enumerate(inputs))
+        res = tuple(to_jax(r) for r in residuals)
+        g = tuple(to_jax(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
+        dins = tuple(None if d is None else to_torch(d) for d in kdef.bwd_fn(skey, needs)(jx, res, g))
+    out = []
+    for i, d in enumerate(dins):
+        if d is None or not needs[i]:
+            out.append(None)
         else:
-            _refuse_capture(kdef, "bwd")
-            jx = tuple(None if t is None else to_jax(t, i, kdef.name) for i, t in enumerate(saved[:n]))
-            res = tuple(to_jax(r) for r in saved[n:])
-            g = tuple(to_jax(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
-            dins = tuple(None if d is None else to_torch(d) for d in kdef.bwd_fn(ctx.skey, needs)(jx, res, g))
-        out = [None, None]
-        for i, d in enumerate(dins):
-            if d is None or not needs[i]:
-                out.append(None)
-            else:
-                out.append(d if d.dtype == ctx.in_dtypes[i] else d.to(ctx.in_dtypes[i]))
-        return tuple(out)
+            out.append(d if d.dtype == in_dtypes[i] else d.to(in_dtypes[i]))
+    return out
 
 
 def _refuse_capture(kdef, which):
@@ -292,12 +298,26 @@ def _run_fwd(kdef, skey, tensors):
     return tuple(to_torch(o) for o in outs), tuple(to_torch(r) for r in res)
 
 
+_TRACED = None  # the op layer's entry under torch.compile (forge.ops.library installs it)
+
+
+def install(traced) -> None:
+    """Called by forge.ops.library: under torch.compile :func:`apply` calls
+    ``traced(kdef, tensors, static) -> outputs`` (the kernel's torch.ops.forge op)."""
+    global _TRACED
+    _TRACED = traced
+
+
 def apply(kdef: KernelDef, *tensors, **static):
     """Run a registered kernel on torch tensors; differentiable through ``kdef.bwd``.
 
     ``static`` values must be hashable (floats, ints, strings, tuples): they are compile-time
-    constants of the JAX functions and part of the cache key.
+    constants of the JAX functions and part of the cache key. Under torch.compile the call goes
+    to the op layer's op for ``kdef`` (see :func:`install`).
     """
+    if _TRACED is not None and torch.compiler.is_compiling():
+        outs = _TRACED(kdef, tensors, static)
+        return outs if len(outs) > 1 else outs[0]
     skey = tuple(static.items())
     if torch.is_grad_enabled() and any(tensors[i].requires_grad for i in kdef.diff):
         return _Bridged.apply(kdef, skey, *tensors)

@@ -4,8 +4,9 @@ One bridged call runs the whole loss (both passes over the vocabulary, the XLA m
 Pallas kernels) and, when autograd wants them, the gradients; which ones is decided from
 ``requires_grad`` and passed as a static argument, so a frozen lm_head never pays for grad_W.
 The autograd side is not the bridge's generic Function (its backward would be a second JAX call
-building scaled copies of grad_W while the forward's are alive: 2x grad_W at the peak) but
-``forge._precomputed``, shared with the Triton backend: the call runs bare through the kernel's
+building scaled copies of grad_W while the forward's are alive: 2x grad_W at the peak) but the op
+layer's node (forge/ops/precomputed.py, shared with the Triton backend, built from this module's
+:func:`prepare` and :func:`compute`): the call runs bare through the kernel's
 jitted forward, its gradients come back as torch tensors (zero copy) and the backward scales
 them in place. That is safe: they are outputs of a finished JAX computation, fresh buffers that
 JAX holds no other use of once the arrays are dropped (nothing is donated or forwarded), and
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from forge import _precomputed
 from forge.spec import fused_linear_ce as spec
 from forge_pallas import fused_linear_ce as _k
 
@@ -29,13 +29,13 @@ LOGITS_FRACTION = 1 / 32
 ROW_CHUNKS = 16
 
 # inputs: hidden, weight, labels, div[, bias]. Only its jitted forward is used (``fwd_fn``),
-# never ``core.apply``: forge._precomputed differentiates it, so there is no bwd. It stays on
+# never ``core.apply``: the op layer's node differentiates it, so there is no bwd. It stays on
 # the DLPack path: its tiles loop in XLA (fori_loop, dynamic slices), and one call per step
 # makes the ~0.1 ms of import cost per tensor negligible beside its milliseconds of matmuls.
 FLCE = core.KernelDef("fused_linear_ce", fwd=_k.flce_fwd, bwd=None, diff=())
 
 
-def _compute(tensors, static, need_h, need_w, need_b):
+def compute(tensors, static, need_h, need_w, need_b):
     """(loss, grad_h fp32 | None, grad_W | None, grad_b | None) as torch tensors."""
     static = dict(static)
     rows = static.pop("chunk_rows")
@@ -51,14 +51,14 @@ def _compute(tensors, static, need_h, need_w, need_b):
     return (loss, *(next(it) if want else None for want in (need_h, need_w, need_b)))
 
 
-def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
-                    num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0,
-                    tile_vocab=None, chunk_rows=None):
-    """Pallas fused linear cross-entropy with the signature of
-    ``forge.spec.fused_linear_ce.reference``. Extra, optional: ``tile_vocab`` walks vocabulary
-    tiles of that width, ``chunk_rows`` row chunks of that many rows (at most one of them);
-    neither, and ``forge.spec.fused_linear_ce.row_chunk`` picks (with ROW_CHUNKS chunks), the
-    tiles sized by ``tile_width``."""
+def prepare(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
+            num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0, tile_vocab=None,
+            chunk_rows=None):
+    """Check the arguments (forge.spec.fused_linear_ce) and return what :func:`compute` takes:
+    (tensors, static). Extra, optional: ``tile_vocab`` walks vocabulary tiles of that width,
+    ``chunk_rows`` row chunks of that many rows (at most one of them); neither, and
+    ``forge.spec.fused_linear_ce.row_chunk`` picks (with ROW_CHUNKS chunks), the tiles sized by
+    ``tile_width``."""
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
@@ -70,9 +70,4 @@ def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, red
     static = dict(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
                   label_smoothing=float(label_smoothing), z_loss=float(z_loss), tile_vocab=tile_vocab,
                   chunk_rows=chunk_rows)
-    tensors = (hidden, weight, labels, div) + (() if bias is None else (bias,))
-
-    def compute(need_h, need_w, need_b):
-        return _compute(tensors, static, need_h, need_w, need_b)
-
-    return _precomputed.apply(compute, hidden, weight, bias)
+    return (hidden, weight, labels, div) + (() if bias is None else (bias,)), static

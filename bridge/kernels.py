@@ -1,7 +1,8 @@
 """The bridged functional APIs: Pallas kernels on torch tensors, in the spec's signatures.
 
 Each function validates its arguments with the spec once per call signature (shapes, dtypes,
-devices, static args), then goes straight to ``core.apply``. Empty inputs (zero rows) return
+devices, static args; a bounded set of them), then goes straight to ``core.apply``; under
+torch.compile every call is checked while tracing (the graph's guards keep it valid). Empty inputs (zero rows) return
 the spec's torch reference: there is nothing to launch.
 """
 from __future__ import annotations
@@ -10,8 +11,7 @@ import functools
 
 import torch
 
-from forge import _gated_mlp
-from forge.spec import gated_mlp as mlp_spec
+from forge.spec import _check
 from forge.spec import geglu as geglu_spec
 from forge.spec import rmsnorm as rmsnorm_spec
 from forge.spec import rope as rope_spec
@@ -31,23 +31,38 @@ GLU_BWD_ACT = {kind: core.KernelDef(f"{kind}_bwd_act", functools.partial(_glu.gl
 # backward needs only cos and sin (saving q and k would pin activations torch's own rope does not)
 ROPE = core.KernelDef("rope", _rope.rope_fwd, _rope.rope_bwd, diff=(0, 1), save=(2, 3))
 
-_SEEN: set = set()  # call signatures already validated
+_SEEN = _check.Validated()  # call signatures already validated
 
 
-def _check_devices(**named) -> None:
-    want = "cpu" if runtime.interpret() else "cuda"
+def checked(sig, check, *args, **kwargs) -> None:
+    """Run ``check`` once per call signature ``sig`` (every call while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        check(*args, **kwargs)
+    elif sig not in _SEEN:
+        check(*args, **kwargs)
+        _SEEN.add(sig)
+
+
+_WANT = "cpu" if runtime.interpret() else "cuda"  # where the kernels take tensors (fixed per process)
+
+
+def check_devices(**named) -> None:
+    # (while torch.compile traces, the value read at import: interpret() calls into JAX)
+    want = _WANT if torch.compiler.is_compiling() else ("cpu" if runtime.interpret() else "cuda")
     for name, t in named.items():
         if t.device.type != want:
             where = "CPU tensors (JAX has no GPU: Pallas interpret mode)" if want == "cpu" else "CUDA tensors"
             raise ValueError(f"{name} is on {t.device}, but the pallas backend here takes {where}")
 
 
+def _check_rmsnorm(x, weight, eps, casting, offset):
+    rmsnorm_spec.check(x, weight, eps, casting, offset)
+    check_devices(x=x, weight=weight)
+
+
 def rmsnorm(x, weight, eps=1e-6, *, casting="llama", offset=0.0):
     sig = ("rmsnorm", x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, eps, casting, offset)
-    if sig not in _SEEN:
-        rmsnorm_spec.check(x, weight, eps, casting, offset)
-        _check_devices(x=x, weight=weight)
-        _SEEN.add(sig)
+    checked(sig, _check_rmsnorm, x, weight, eps, casting, offset)
     if x.numel() == 0:
         return rmsnorm_spec.reference(x, weight, eps, casting=casting, offset=offset)
     n = x.shape[-1]
@@ -55,12 +70,14 @@ def rmsnorm(x, weight, eps=1e-6, *, casting="llama", offset=0.0):
     return y.view(x.shape)
 
 
+def _check_glu(spec, gate, up):
+    spec.check(gate, up)
+    check_devices(gate=gate, up=up)
+
+
 def _glu(kdef, spec, gate, up):
     sig = (kdef.name, gate.shape, gate.dtype, gate.device, up.shape, up.dtype, up.device)
-    if sig not in _SEEN:
-        spec.check(gate, up)
-        _check_devices(gate=gate, up=up)
-        _SEEN.add(sig)
+    checked(sig, _check_glu, spec, gate, up)
     if gate.numel() == 0:
         return spec.reference(gate, up)
     return core.apply(kdef, gate, up)
@@ -74,29 +91,14 @@ def geglu(gate, up):
     return _glu(GEGLU, geglu_spec, gate, up)
 
 
-def _mlp_ops(kdef, bwd_act):
-    return _gated_mlp.ActOps(act=lambda g, u: core.apply(kdef, g, u),
-                             act_bwd=lambda dh, g, u: core.apply(bwd_act, dh, g, u),
-                             inplace=False, device_type="cpu" if runtime.interpret() else "cuda")
-
-
-@functools.cache
-def _mlp_ops_for(act):
+def mlp_act(act: str) -> dict:
+    """The gated MLP's pieces for the op layer's node (forge.ops.gated_mlp): the bridged GLU
+    forward and its backward step (fresh tensors; both go through the op layer's ops under
+    torch.compile, as every ``core.apply`` does)."""
     kind = "swiglu" if act == "silu" else "geglu"
-    return _mlp_ops(SWIGLU if kind == "swiglu" else GEGLU, GLU_BWD_ACT[kind])
-
-
-def gated_mlp(x, w_gate, w_up, w_down, *, act="silu", recompute=False):
-    """Pallas gated MLP (forge.spec.gated_mlp): torch's products around the bridged GLU kernels."""
-    sig = ("gated_mlp", x.shape, x.dtype, x.device, w_gate.shape, w_gate.dtype, w_gate.device,
-           w_up.shape, w_up.dtype, w_up.device, w_down.shape, w_down.dtype, w_down.device, act)
-    if sig not in _SEEN:
-        mlp_spec.check(x, w_gate, w_up, w_down, act)
-        _check_devices(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
-        _SEEN.add(sig)
-    if x.numel() == 0 or w_gate.shape[0] == 0:
-        return mlp_spec.reference(x, w_gate, w_up, w_down, act=act)
-    return _gated_mlp.apply(_mlp_ops_for(act), x, w_gate, w_up, w_down, recompute)
+    kdef, bwd_act = (SWIGLU if kind == "swiglu" else GEGLU), GLU_BWD_ACT[kind]
+    return dict(act=lambda g, u: core.apply(kdef, g, u), act_bwd=lambda dh, g, u: core.apply(bwd_act, dh, g, u),
+                inplace=False, device_type="cpu" if runtime.interpret() else "cuda")
 
 
 _OTHER = {"bhsd": "bshd", "bshd": "bhsd"}
@@ -115,15 +117,17 @@ def _physical(t, logical):
     return t.contiguous(), logical
 
 
+def _check_rope(q, k, cos, sin, unsqueeze_dim):
+    rope_spec.check(q, k, cos, sin, unsqueeze_dim)
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"cos is {cos.dtype} but sin is {sin.dtype}")
+    check_devices(q=q, k=k, cos=cos, sin=sin)
+
+
 def rope(q, k, cos, sin, unsqueeze_dim=1):
     sig = ("rope", q.shape, k.shape, cos.shape, sin.shape, q.dtype, k.dtype, cos.dtype, sin.dtype,
            q.device, k.device, cos.device, sin.device, unsqueeze_dim)
-    if sig not in _SEEN:
-        rope_spec.check(q, k, cos, sin, unsqueeze_dim)
-        if cos.dtype != sin.dtype:
-            raise TypeError(f"cos is {cos.dtype} but sin is {sin.dtype}")
-        _check_devices(q=q, k=k, cos=cos, sin=sin)
-        _SEEN.add(sig)
+    checked(sig, _check_rope, q, k, cos, sin, unsqueeze_dim)
     if q.numel() == 0 or k.numel() == 0:
         return rope_spec.reference(q, k, cos, sin, unsqueeze_dim)
     logical = "bhsd" if unsqueeze_dim == 1 else "bshd"

@@ -19,18 +19,26 @@ from forge.spec import lora_qkv as qkv_spec
 from forge_pallas import lora as _k
 
 from . import core
-from .kernels import _check_devices
+from .kernels import check_devices, checked
 
-# inputs: x, then per projection w, bias, a, b (or w, a, b without biases)
-# (masks, when given, follow at 13, 14, 15 with biases, 10, 11, 12 without)
-LORA_QKV = core.KernelDef("lora_qkv", _k.lora_qkv_fwd, _k.lora_qkv_bwd, diff=(0, 3, 4, 7, 8, 11, 12),
-                          save=(0, 1, 3, 4, 5, 7, 8, 9, 11, 12, 13, 14, 15),
-                          needs_mask=True)
+# The kernels' inputs, by the spec's names (forge.spec.lora_qkv.TENSORS, lora_mlp.TENSORS): x, then
+# per projection w, bias, a, b (w, a, b without biases), then the masks that are given. Which
+# positions are differentiable and saved follows from the names, never written as positions.
+QKV_INPUTS = qkv_spec.TENSORS
+QKV_INPUTS_NOBIAS = tuple(n for n in qkv_spec.TENSORS if not n.startswith("bias_"))
+MLP_INPUTS = mlp_spec.TENSORS
+
+
+def _at(names, wanted) -> tuple:
+    return tuple(i for i, n in enumerate(names) if n in wanted)
+
+
+LORA_QKV = core.KernelDef("lora_qkv", _k.lora_qkv_fwd, _k.lora_qkv_bwd, diff=_at(QKV_INPUTS, qkv_spec.TRAINABLE),
+                          save=_at(QKV_INPUTS, set(QKV_INPUTS) - {"bias_q", "bias_k", "bias_v"}), needs_mask=True)
 LORA_QKV_NOBIAS = core.KernelDef("lora_qkv_nobias", _k.lora_qkv_fwd, _k.lora_qkv_bwd,
-                                 diff=(0, 2, 3, 5, 6, 8, 9), needs_mask=True)
-LORA_MLP = core.KernelDef("lora_mlp", _k.lora_mlp_fwd, _k.lora_mlp_bwd, diff=(0, 2, 3, 5, 6, 8, 9), needs_mask=True)
-
-_SEEN: set = set()  # call signatures already validated
+                                 diff=_at(QKV_INPUTS_NOBIAS, qkv_spec.TRAINABLE), needs_mask=True)
+LORA_MLP = core.KernelDef("lora_mlp", _k.lora_mlp_fwd, _k.lora_mlp_bwd, diff=_at(MLP_INPUTS, mlp_spec.TRAINABLE),
+                          needs_mask=True)
 
 
 def _sig(name, tensors, static):
@@ -44,6 +52,11 @@ def _drops(masks, widths, ps):
             tuple(None if m is None else drop_spec.scale(float(p)) for m, p in zip(rows, ps)))
 
 
+def _check_qkv(ts, scales, drop):
+    qkv_spec.check(*ts, scale_q=scales[0], scale_k=scales[1], scale_v=scales[2], **drop)
+    check_devices(**{n: t for n, t in zip(QKV_INPUTS, ts) if t is not None})
+
+
 def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
              *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
              dropout_q=0.0, dropout_k=0.0, dropout_v=0.0):
@@ -53,11 +66,7 @@ def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, 
     drop = dict(mask_q=mask_q, mask_k=mask_k, mask_v=mask_v, dropout_q=dropout_q, dropout_k=dropout_k,
                 dropout_v=dropout_v)
     sig = _sig("lora_qkv", ts + (mask_q, mask_k, mask_v), (scales, dropout_q, dropout_k, dropout_v))
-    if sig not in _SEEN:
-        qkv_spec.check(*ts, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, **drop)
-        _check_devices(**{n: t for n, t in zip(("x", "w_q", "bias_q", "a_q", "b_q", "w_k", "bias_k", "a_k", "b_k",
-                                                 "w_v", "bias_v", "a_v", "b_v"), ts) if t is not None})
-        _SEEN.add(sig)
+    checked(sig, _check_qkv, ts, scales, drop)
     qkv_spec.frozen(torch.is_grad_enabled(), w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
     if x.numel() == 0:
         return qkv_spec.reference(*ts, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, **drop)
@@ -77,6 +86,11 @@ def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, 
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)
 
 
+def _check_mlp(ts, scales, act, drop):
+    mlp_spec.check(*ts, scale_gate=scales[0], scale_up=scales[1], scale_down=scales[2], act=act, **drop)
+    check_devices(**dict(zip(MLP_INPUTS, ts)))
+
+
 def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
              *, scale_gate, scale_up, scale_down, act="silu", mask_gate=None, mask_up=None, mask_down=None,
              dropout_gate=0.0, dropout_up=0.0, dropout_down=0.0):
@@ -86,11 +100,7 @@ def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down
     drop = dict(mask_gate=mask_gate, mask_up=mask_up, mask_down=mask_down, dropout_gate=dropout_gate,
                 dropout_up=dropout_up, dropout_down=dropout_down)
     sig = _sig("lora_mlp", ts + (mask_gate, mask_up, mask_down), (scales, act, dropout_gate, dropout_up, dropout_down))
-    if sig not in _SEEN:
-        mlp_spec.check(*ts, scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act, **drop)
-        _check_devices(**dict(zip(("x", "w_gate", "a_gate", "b_gate", "w_up", "a_up", "b_up", "w_down",
-                                   "a_down", "b_down"), ts)))
-        _SEEN.add(sig)
+    checked(sig, _check_mlp, ts, scales, act, drop)
     mlp_spec.frozen(torch.is_grad_enabled(), w_gate=w_gate, w_up=w_up, w_down=w_down)
     if x.numel() == 0:
         return mlp_spec.reference(*ts, scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act,

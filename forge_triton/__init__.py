@@ -1,5 +1,9 @@
 """Triton backend: one module per kernel, forward and backward behind a torch.autograd.Function.
 
+Layer: above the spec (``forge.spec``, ``forge._runtime``), below the op layer (``forge.ops``),
+which it never imports: the op layer installs its torch.library entry in ``_ops`` and builds the
+gated MLP and the fused loss from this package's pieces (``mlp_act``, ``fused_linear_ce_*``).
+
 Without a CUDA device the kernels run in Triton's interpreter; the switch must happen before
 any kernel is decorated, so it comes first here. Kernel modules load lazily on first use.
 """
@@ -9,16 +13,20 @@ _runtime.ensure_triton_mode()
 
 import importlib  # noqa: E402
 
-# public function -> module that defines it
+# public name -> (module that defines it, its name there)
 _WHERE = {
-    "rmsnorm": "rmsnorm",
-    "swiglu": "glu",
-    "geglu": "glu",
-    "gated_mlp": "glu",
-    "rope": "rope",
-    "fused_linear_ce": "fused_linear_ce",
-    "lora_qkv": "lora",
-    "lora_mlp": "lora",
+    "rmsnorm": ("rmsnorm", "rmsnorm"),
+    "swiglu": ("glu", "swiglu"),
+    "geglu": ("glu", "geglu"),
+    "rope": ("rope", "rope"),
+    "lora_qkv": ("lora", "lora_qkv"),
+    "lora_mlp": ("lora", "lora_mlp"),
+    # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
+    "mlp_act": ("glu", "mlp_act"),
+    "fused_linear_ce_prepare": ("fused_linear_ce", "prepare"),
+    "fused_linear_ce_compute": ("fused_linear_ce", "compute"),
+    "fused_linear_ce_scale": ("fused_linear_ce", "scale_"),
+    "check_devices": ("_common", "check_device"),
 }
 
 
@@ -31,9 +39,9 @@ def availability() -> tuple[bool, str]:
 
 
 def __getattr__(name):
-    mod = _WHERE.get(name)
-    if mod is None:
+    where = _WHERE.get(name)
+    if where is None:
         raise AttributeError(f"module 'forge_triton' has no attribute {name!r}")
-    fn = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    fn = getattr(importlib.import_module(f"{__name__}.{where[0]}"), where[1])
     globals()[name] = fn
     return fn

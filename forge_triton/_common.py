@@ -10,6 +10,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from forge import _runtime
+from forge.spec import _check
 
 # Tests set FORGE_POISON=1: every output is NaN-filled before the kernel runs, so an element the
 # kernel did not write shows up. Read once; the hot path pays one bool test.
@@ -41,6 +42,8 @@ def check_device(**named) -> None:
             where = "CPU (Triton interpreter)" if INTERPRET else "a CUDA device"
             raise ValueError(f"{name} is on {t.device}, but the triton backend here runs on {where}")
 
+
+BoundedCache, Validated = _check.BoundedCache, _check.Validated  # the kernel modules' caches
 
 _FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 

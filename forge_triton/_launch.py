@@ -21,7 +21,9 @@ turns it off. In Triton's CPU interpreter it is never used.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -77,10 +79,58 @@ def _arg_key(a):
     return (t, a)  # None, bool, a dtype: by value
 
 
+# How launches run on this thread. None: launched (the eager path). The op layer
+# (forge.ops.library) runs a kernel's forward / backward in the two other modes: "skip" while
+# it computes an op's fake outputs in Triton's interpreter (the tensors are fake: only the
+# allocations matter), "wrap" inside a torch.library.triton_op (each launch goes through
+# torch.library.wrap_triton, so torch.compile's graph holds the kernel and inductor sees it).
+_MODE = threading.local()
+
+
+@contextlib.contextmanager
+def mode(m):
+    """Run launches on this thread in mode ``m`` ("skip" or "wrap", see _MODE) for the block."""
+    old = getattr(_MODE, "value", None)
+    _MODE.value = m
+    try:
+        yield
+    finally:
+        _MODE.value = old
+
+
+def _no_launch(*args, **meta):
+    return None
+
+
+def _traced(kernel, grid, m):
+    if m == "skip":
+        return _no_launch
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)[grid]
+
+
+class Kernel:
+    """A ``@triton.jit`` kernel launched through Triton's own path (``k[grid](...)``), in the
+    launch mode of the thread (see _MODE). ``k.kernel`` is the JITFunction."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        m = getattr(_MODE, "value", None)
+        if m is not None:
+            return _traced(self.kernel, grid, m)
+        return self.kernel[grid]
+
+
 class FastKernel:
     """Wraps a ``@triton.jit`` kernel; ``fk[grid](*args, **meta)`` launches like the kernel.
     Positional arguments are the kernel's runtime ones (in order); the constexpr parameters and
-    launch options (num_warps, ...) are keywords. ``fk.kernel`` is the wrapped JITFunction."""
+    launch options (num_warps, ...) are keywords. ``fk.kernel`` is the wrapped JITFunction.
+    Launch modes of the op layer (see _MODE) go through Triton's own path."""
 
     __slots__ = ("kernel", "_cache")
 
@@ -89,6 +139,9 @@ class FastKernel:
         self._cache: dict = {}
 
     def __getitem__(self, grid):
+        m = getattr(_MODE, "value", None)
+        if m is not None:
+            return _traced(self.kernel, grid, m)
         if not FAST:
             return self.kernel[grid]
         return lambda *args, **meta: self._launch(grid, args, meta)

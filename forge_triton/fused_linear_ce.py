@@ -22,9 +22,10 @@ Row chunks (``_flce_rows``; the default once a chunk of N / 10 rows has at least
   three matmuls; grad_W is rounded once per chunk (about ten times) instead of once.
 
 The loss is a scalar, so the gradients are computed in the forward and the backward only
-scales them by grad_output, in place (forge/_precomputed.py: the autograd.Function both
-backends share; ``_scale_`` is its scaling here, one fused pass). Nothing reads a value back to
-the host: the mean's divisor is a device tensor the kernels load.
+scales them by grad_output, in place: the autograd node is the op layer's
+(forge/ops/precomputed.py, both backends share it); this module hands it :func:`prepare`,
+:func:`compute` and :func:`scale_` (its one-pass scaling). Nothing reads a value back to the
+host: the mean's divisor is a device tensor the kernels load.
 """
 from __future__ import annotations
 
@@ -34,10 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from forge import _precomputed
 from forge.spec import fused_linear_ce as spec
 
-from . import _common
+from . import _common, _launch
 
 # Tile width: forge.spec.fused_linear_ce.tile_width (dL/dz adds half of the fp32 tile).
 LOGITS_FRACTION = 1 / 16
@@ -153,20 +153,28 @@ def _flce_scale_kernel(g_ptr, c_ptr, numel, BLOCK: tl.constexpr):
     tl.store(g_ptr + offs, _common.cast(g.to(c.dtype) * c, g_ptr.dtype.element_ty), mask=mask)
 
 
-def _scale_kernel_launch(g, c):
-    """g *= c in place, g contiguous (forge._precomputed.scale_ calls it for CUDA tensors of
-    either backend): one pass over g (read + write), where torch needs a chunked round trip
-    through c's dtype for a one-rounding result (5x the traffic)."""
+_STATS = _launch.Kernel(_flce_stats_kernel)
+_GRAD = _launch.Kernel(_flce_grad_kernel)
+_SCALE = _launch.Kernel(_flce_scale_kernel)
+
+
+def scale_kernel(g, c):
+    """g *= c in place, g contiguous and narrower than c: one pass over g (read + write), where
+    torch needs a chunked round trip through c's dtype for a one-rounding result (5x the
+    traffic). The op layer's scaling (forge.ops.precomputed.scale_) uses it for CUDA tensors of
+    either backend."""
     if g.numel():
         block = 4096
-        _flce_scale_kernel[(_common.cdiv(g.numel(), block),)](g, c.contiguous(), g.numel(), BLOCK=block)
+        _SCALE[(_common.cdiv(g.numel(), block),)](g, c.contiguous(), g.numel(), BLOCK=block)
     return g
 
 
-def _scale_(g, c):
-    """The scaling this backend's loss uses; on the CPU (interpreter) too, so the kernel is tested."""
-    return _scale_kernel_launch(g, c) if g.is_contiguous() and g.element_size() < c.element_size() \
-        else _precomputed.scale_(g, c)
+def scale_(g, c):
+    """The scaling this backend's loss uses, in place: the one-pass kernel where it applies (on
+    the CPU too, in the interpreter, so the kernel is tested), else None: the op layer's own."""
+    if g.is_contiguous() and g.element_size() < c.element_size():
+        return scale_kernel(g, c)
+    return None
 
 
 # ------------------------------------------------------------------------------- matmuls
@@ -297,7 +305,7 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
     for i, (v0, v1) in enumerate(tiles):
         z = _mm_f32(hidden, weight[v0:v1].t())  # (N, Vc)
         if n:
-            _flce_stats_kernel[grid](
+            _STATS[grid](
                 z, bias_arg, labels, m_buf, s_buf, t_buf, sz_buf, rows, z.stride(0), v0, v1 - v0, v,
                 **common, z_loss=float(z_loss), SMOOTH=eps > 0, FIRST=i == 0, LAST=i == len(tiles) - 1,
                 **flags, num_warps=8,
@@ -325,7 +333,7 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
             # columns another warp has not loaded yet
             g = torch.empty((n, v1 - v0), dtype=dt, device=dev)  # (N, Vc)
         if n:
-            _flce_grad_kernel[grid](
+            _GRAD[grid](
                 z, g, bias_arg, labels, m_buf, scale, z.stride(0), g.stride(0), v0, v1 - v0,
                 **common, two_z_loss=2.0 * float(z_loss), **flags, SYNC=False, num_warps=8,
             )
@@ -371,7 +379,7 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
         r1 = min(r0 + chunk_rows, n)
         h_c, y_c, lse_c = hidden[r0:r1], labels[r0:r1], m_buf[r0:r1]
         z = _mm_f32(h_c, wt)  # (C, V)
-        _flce_stats_kernel[(r1 - r0,)](
+        _STATS[(r1 - r0,)](
             z, bias_arg, y_c, lse_c, s_buf[r0:r1], t_buf[r0:r1], sz_buf[r0:r1], rows[r0:r1],
             z.stride(0), 0, v, v, **common, z_loss=float(z_loss), SMOOTH=eps > 0, FIRST=True,
             LAST=True, **flags, num_warps=8,
@@ -379,7 +387,7 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
         if not need_grad:
             continue
         g = z if z.dtype == dt else z.view(dt)[:, :v]  # (C, V), row stride 2V when narrower
-        _flce_grad_kernel[(r1 - r0,)](
+        _GRAD[(r1 - r0,)](
             z, g, bias_arg, y_c, lse_c, scale, z.stride(0), g.stride(0), 0, v, **common,
             two_z_loss=2.0 * float(z_loss), **flags, SYNC=g is not z, num_warps=8,
         )
@@ -399,14 +407,14 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
     return loss, gh, gw, gb
 
 
-def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
-                    num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0,
-                    tile_vocab=None, chunk_rows=None):
-    """Triton fused linear cross-entropy with the signature of
-    ``forge.spec.fused_linear_ce.reference``. Extra, optional: ``tile_vocab`` walks vocabulary
-    tiles of that width, ``chunk_rows`` row chunks of that many rows (at most one of them);
-    neither, and ``forge.spec.fused_linear_ce.row_chunk`` picks (row chunks only when they are
-    tall enough to win), the tiles sized by ``tile_width``."""
+def prepare(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
+            num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0, tile_vocab=None,
+            chunk_rows=None):
+    """Check the arguments (forge.spec.fused_linear_ce) and return what :func:`compute` takes:
+    (tensors, static): (hidden, weight, labels, div[, bias]) and the hashable options. Extra,
+    optional: ``tile_vocab`` walks vocabulary tiles of that width, ``chunk_rows`` row chunks of
+    that many rows (at most one of them); neither, and ``forge.spec.fused_linear_ce.row_chunk``
+    picks (row chunks only when they are tall enough to win), the tiles sized by ``tile_width``."""
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
@@ -414,11 +422,15 @@ def fused_linear_ce(hidden, weight, labels, bias=None, *, ignore_index=-100, red
     spec.check_strategy(tile_vocab, chunk_rows)
     acc_t = _common.acc_torch(hidden.dtype)
     div = spec.divisor(labels, ignore_index, reduction, num_items_in_batch, acc_t, hidden.device)
+    static = dict(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
+                  label_smoothing=float(label_smoothing), z_loss=float(z_loss), tile_vocab=tile_vocab,
+                  chunk_rows=chunk_rows)
+    return (hidden, weight, labels, div) + (() if bias is None else (bias,)), static
 
-    def compute(need_h, need_w, need_b):
-        return flce_forward(hidden, weight, labels, bias, div, ignore_index=ignore_index,
-                            softcap=softcap, label_smoothing=float(label_smoothing),
-                            z_loss=float(z_loss), tile_vocab=tile_vocab, chunk_rows=chunk_rows,
-                            need_h=need_h, need_w=need_w, need_b=need_b)
 
-    return _precomputed.apply(compute, hidden, weight, bias, scale=_scale_)
+def compute(tensors, static, need_h, need_w, need_b):
+    """(loss, grad_h fp32 | None, grad_W | None, grad_b | None), the gradients unscaled (the
+    op layer's node scales them by the loss's cotangent)."""
+    hidden, weight, labels, div = tensors[:4]
+    bias = tensors[4] if len(tensors) > 4 else None
+    return flce_forward(hidden, weight, labels, bias, div, need_h=need_h, need_w=need_w, need_b=need_b, **static)

@@ -10,12 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from forge import _gated_mlp
-from forge.spec import gated_mlp as mlp_spec
 from forge.spec import geglu as geglu_spec
 from forge.spec import swiglu as swiglu_spec
 
-from . import _common, _launch
+from . import _common, _launch, _ops
 from ._common import cast
 
 BLOCK = 2048
@@ -109,6 +107,17 @@ def glu_bwd_inplace(dy, g, u, gelu: bool):
     return g, u, dy
 
 
+def glu_bwd_act(dy, g, u, gelu: bool):
+    """:func:`glu_bwd_inplace` into fresh tensors: (dg, du, y)."""
+    dy, g, u = _dense(dy), _dense(g), _dense(u)
+    dg, du, y = _common.empty_like(g), _common.empty_like(u), _common.empty_like(dy)
+    n = g.numel()
+    if n:
+        _bwd[(-(-n // BLOCK),)](dy, g, u, dg, du, y, n, BLOCK=BLOCK, GELU=gelu, ACC=_common.acc(g.dtype),
+                                WITH_Y=True, num_warps=8)
+    return dg, du, y
+
+
 class GLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, gelu):
@@ -124,7 +133,32 @@ class GLUFunction(torch.autograd.Function):
         return dg, du, None
 
 
+def _op_fwd(gate, up, *, gelu):
+    return (glu_fwd(gate, up, gelu)[0],), ()
+
+
+def _op_bwd(inputs, res, grads, needs, *, gelu):
+    g, u = inputs
+    dg, du = glu_bwd(grads[0], _dense(g), _dense(u), gelu)
+    return {"gate": dg, "up": du}
+
+
+def _op_bwd_act(dh, g, u, *, gelu):
+    return glu_bwd_act(dh, g, u, gelu), ()
+
+
+# the op layer's kernels: the GLU, differentiable, and the gated MLP's backward step (no autograd)
+GLU = _ops.register(_ops.KernelDef("glu", _op_fwd, _op_bwd, names=("gate", "up"), diff=("gate", "up"), n_out=1,
+                                   inductor=True))
+GLU_BWD_ACT = _ops.register(_ops.KernelDef("glu_bwd_act", _op_bwd_act, None, names=("dh", "gate", "up"), diff=(),
+                                           n_out=3, inductor=True))
+
+
 def _glu(spec_check, gate, up, gelu: bool):
+    if _ops._compiling():
+        spec_check(gate, up)
+        _common.check_device(gate=gate, up=up)
+        return _ops.call(GLU, gate, up, gelu=gelu)[0]
     if not (_common.hot_tensors(gate, up) and gate.dtype is up.dtype and gate.shape == up.shape
             and gate.get_device() == up.get_device()):
         spec_check(gate, up)
@@ -144,23 +178,32 @@ def geglu(gate, up):
     return _glu(geglu_spec.check, gate, up, True)
 
 
-def _mlp_ops(gelu: bool) -> _gated_mlp.ActOps:
-    return _gated_mlp.ActOps(
-        act=lambda g, u: glu_fwd(g, u, gelu)[0],
-        act_bwd=lambda dh, g, u: glu_bwd_inplace(dh, g, u, gelu),
-        inplace=True, device_type="cpu" if _common.INTERPRET else "cuda")
+def _act(gelu):
+    def act(g, u):
+        if _ops._compiling():
+            return _ops.call(GLU, g, u, gelu=gelu)[0]
+        return glu_fwd(g, u, gelu)[0]
+
+    return act
 
 
-_MLP_OPS = {False: _mlp_ops(False), True: _mlp_ops(True)}
+def _act_bwd(gelu):
+    def act_bwd(dh, g, u):
+        if _ops._compiling():
+            return _ops.call(GLU_BWD_ACT, dh, g, u, gelu=gelu)
+        return glu_bwd_inplace(dh, g, u, gelu)
+
+    return act_bwd
 
 
-def gated_mlp(x, w_gate, w_up, w_down, *, act: str = "silu", recompute: bool = False):
-    """Triton gated MLP (forge.spec.gated_mlp): cuBLAS products around the GLU kernels."""
-    if not (_common.hot_tensors(x, w_gate, w_up, w_down) and x.dtype is w_gate.dtype is w_up.dtype
-            is w_down.dtype and act in mlp_spec.ACTS and w_gate.dim() == 2 and w_down.dim() == 2
-            and w_gate.shape == w_up.shape and w_gate.shape[1] == x.shape[-1] == w_down.shape[0]
-            and w_down.shape[1] == w_gate.shape[0]
-            and x.get_device() == w_gate.get_device() == w_up.get_device() == w_down.get_device()):
-        mlp_spec.check(x, w_gate, w_up, w_down, act)
-        _common.check_device(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
-    return _gated_mlp.apply(_MLP_OPS[act == "gelu_tanh"], x, w_gate, w_up, w_down, recompute)
+def mlp_act(act: str) -> dict:
+    """The gated MLP's pieces for the op layer's node (forge.ops.gated_mlp): the activation
+    forward ``act(g, u) -> h`` and backward step ``act_bwd(dh, g, u) -> (dg, du, h)`` without
+    autograd. Eagerly the backward step writes over g, u and dh (``inplace``); under
+    torch.compile both run as ops (``torch.ops.forge.triton_glu*``) into fresh tensors;
+    ``act_bwd_fresh`` is the step into fresh tensors (the node's op, which may not write over
+    its inputs)."""
+    gelu = act == "gelu_tanh"
+    return dict(act=_act(gelu), act_bwd=_act_bwd(gelu), inplace=True,
+                device_type="cpu" if _common.INTERPRET else "cuda",
+                act_bwd_fresh=lambda dh, g, u: glu_bwd_act(dh, g, u, gelu))

@@ -29,7 +29,7 @@ from forge.spec import lora_dropout as drop_spec
 from forge.spec import lora_mlp as mlp_spec
 from forge.spec import lora_qkv as qkv_spec
 
-from . import _common
+from . import _common, _launch, _ops
 from ._common import cast  # rounds bf16 to nearest even in the interpreter too
 from .glu import _act_and_grad
 
@@ -133,6 +133,11 @@ def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, 
     tl.store(dh_ptr + offs, cast(cast(a, dt).to(ACC) * u, dt), mask=mask)
 
 
+_LORA_ADD = _launch.Kernel(_lora_add_kernel)
+_LORA_GLU_FWD = _launch.Kernel(_lora_glu_fwd_kernel)
+_LORA_GLU_BWD = _launch.Kernel(_lora_glu_bwd_kernel)
+
+
 def _consts(ldt: torch.dtype, r: int, out_dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(r),
                 ACC=_common.acc(out_dtype if out_dtype == torch.float64 else ldt),
@@ -147,7 +152,7 @@ def lora_add_(out, p, q, scale: float):
     """out (M, N) += scale * p (M, K) @ q (K, N), in place; strided p and q are fine."""
     m, n = out.shape
     if m and n:
-        _lora_add_kernel[_grid(m, n)](out, p, q, m, n, p.shape[1], float(scale), out.stride(0), out.stride(1),
+        _LORA_ADD[_grid(m, n)](out, p, q, m, n, p.shape[1], float(scale), out.stride(0), out.stride(1),
                                       p.stride(0), p.stride(1), q.stride(0), q.stride(1),
                                       **_consts(p.dtype, p.shape[1], out.dtype), num_warps=4)
     return out
@@ -155,11 +160,6 @@ def lora_add_(out, p, q, scale: float):
 
 def _rows(x):
     return x.reshape(-1, x.shape[-1])  # (M, H); copies only when x's strides demand it
-
-
-def _drop(masks, widths, ps):
-    """(masks as contiguous (M, width) rows, probabilities as floats): the Functions' last argument."""
-    return tuple(drop_spec.rows(m, w) for m, w in zip(masks, widths)), tuple(float(p) for p in ps)
 
 
 def _adapter_in(x2, a_list, masks, ps):
@@ -193,73 +193,107 @@ def _add_adapter_dx_(gx, dxa, a_cat, cuts, masks, ps):
 
 
 # ---------------------------------------------------------------------------------------- qkv
-def _no_autocast(fn):
-    """Run a Function's forward / backward with autocast off: the kernels compute in the dtypes
-    they are given (a caller under autocast casts first, as forge.patching.lora does)."""
-    def wrapped(ctx, *args):
-        with torch.autocast(_device_of(args), enabled=False):
-            return fn(ctx, *args)
-
-    return wrapped
-
-
-def _device_of(args) -> str:
-    # backward may get no tensor at all (every output gradient undefined): any device type will do
-    return next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+# Each kernel is a forward ``*_fwd(*tensors in spec.TENSORS order, **static) -> (outputs,
+# residuals)`` and a backward ``*_bwd(inputs, residuals, grads, needs, **static) -> {name: grad}``
+# (``needs`` and the result keyed by the spec's names): the eager autograd.Functions below and the
+# op layer's ops (torch.ops.forge.triton_lora_*) run the same two functions. Autocast is off
+# inside both: the kernels compute in the dtypes they are given (a caller under autocast casts
+# first, as forge.patching.lora does).
+def _no_autocast(tensors):
+    # any device type will do when no tensor is given (every output gradient undefined)
+    dev = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), "cpu")
+    return torch.autocast(dev, enabled=False)
 
 
-class LoraQKVFunction(torch.autograd.Function):
-    @staticmethod
-    @_no_autocast
-    def forward(ctx, x, scales, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, drop):
-        masks, ps = drop  # (M, H) keep-masks (or None) and probabilities, q, k, v
+def qkv_fwd(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, mask_q=None, mask_k=None,
+            mask_v=None, *, scales, ps):
+    """(q, k, v), (xa, a_cat): xa = x a^T for the three adapters (M, R), a_cat their stacked A."""
+    with _no_autocast((x,)):
+        masks = tuple(drop_spec.rows(m, x.shape[-1]) for m in (mask_q, mask_k, mask_v))
         x2 = _rows(x)  # (M, H)
         ws, biases, bs = (w_q, w_k, w_v), (bias_q, bias_k, bias_v), (b_q, b_k, b_v)
         # (M, R), R = r_q + r_k + r_v: without dropout one GEMM reads x once for all three
         xa, a_cat = _adapter_in(x2, (a_q, a_k, a_v), masks, ps)
-        cuts = [0, a_q.shape[0], a_q.shape[0] + a_k.shape[0], a_cat.shape[0]]
+        cuts = _cuts((a_q, a_k, a_v))
         outs = []
         for i, (w, bias, b, s) in enumerate(zip(ws, biases, bs, scales)):
             base = F.linear(x2, w, bias)  # (M, N_p), cuBLAS with the bias in its epilogue
             lora_add_(base, xa[:, cuts[i]:cuts[i + 1]], b.t(), s)
             outs.append(base.view(*x.shape[:-1], w.shape[0]))
-        ctx.save_for_backward(x2, xa, a_cat, *ws, *bs, *masks)
-        ctx.scales, ctx.cuts, ctx.x_shape, ctx.ps = scales, cuts, x.shape, ps
-        ctx.set_materialize_grads(False)  # k or v may be unused; skip their terms
-        return tuple(outs)
+        return tuple(outs), (xa, a_cat)
 
-    @staticmethod
-    @once_differentiable  # the Triton kernels are not differentiable themselves
-    @_no_autocast
-    def backward(ctx, gq, gk, gv):
-        x2, xa, a_cat, w_q, w_k, w_v, b_q, b_k, b_v, *masks = ctx.saved_tensors
-        need = ctx.needs_input_grad
+
+def _cuts(a_list):
+    cuts = [0]
+    for a in a_list:
+        cuts.append(cuts[-1] + a.shape[0])
+    return cuts
+
+
+def qkv_bwd(inputs, res, grads, needs, *, scales, ps):
+    """{name: gradient} for the names ``needs`` asks for (x, a_p, b_p); ``grads`` may hold None
+    for a projection whose output got no gradient (k or v unused)."""
+    t = dict(zip(qkv_spec.TENSORS, inputs))
+    xa, a_cat = res
+    x = t["x"]
+    with _no_autocast((x, *grads)):
+        x2 = _rows(x)
+        masks = tuple(drop_spec.rows(t[f"mask_{p}"], x.shape[-1]) for p in qkv_spec.PROJ)
+        cuts = _cuts([t[f"a_{p}"] for p in qkv_spec.PROJ])
         ldt = a_cat.dtype
-        grads_b = [None, None, None]
+        out = {}
         dxa_parts = []  # d xa_p = s g_p B_p, (M, r_p) each; zero for a projection with no gradient
         gx = None
-        for i, (g, w, b) in enumerate(zip((gq, gk, gv), (w_q, w_k, w_v), (b_q, b_k, b_v))):
-            s, lo, hi = ctx.scales[i], ctx.cuts[i], ctx.cuts[i + 1]
+        for i, (p, g) in enumerate(zip(qkv_spec.PROJ, grads)):
+            s, lo, hi = scales[i], cuts[i], cuts[i + 1]
             if g is None:
                 dxa_parts.append(xa.new_zeros((xa.shape[0], hi - lo)))
                 continue
+            w, b = t[f"w_{p}"], t[f"b_{p}"]
             g2 = g.reshape(-1, g.shape[-1])  # (M, N_p)
             gl = g2.to(ldt)
             dxa_parts.append((gl @ b).mul_(s))
-            if need[5 + 4 * i]:
-                grads_b[i] = (gl.t() @ xa[:, lo:hi]).mul_(s)  # d B_p = s g_p^T xa_p   (N_p, r_p)
-            if need[0]:
+            if needs[f"b_{p}"]:
+                out[f"b_{p}"] = (gl.t() @ xa[:, lo:hi]).mul_(s)  # d B_p = s g_p^T xa_p   (N_p, r_p)
+            if needs["x"]:
                 gx = g2 @ w if gx is None else gx.addmm_(g2, w)  # base path, accumulated in place
         dxa = torch.cat(dxa_parts, dim=1)  # (M, R)
-        grads_a = [None, None, None]
-        if any(need[4 + 4 * i] for i in range(3)):
-            grads_a = _adapter_grads(x2, dxa, a_cat, ctx.cuts, masks, ctx.ps)
-        if need[0]:
+        if any(needs[f"a_{p}"] for p in qkv_spec.PROJ):
+            for p, ga in zip(qkv_spec.PROJ, _adapter_grads(x2, dxa, a_cat, cuts, masks, ps)):
+                out[f"a_{p}"] = ga
+        if needs["x"]:
             if gx is None:
                 gx = torch.zeros(x2.shape, dtype=x2.dtype, device=x2.device)
-            gx = _add_adapter_dx_(gx, dxa, a_cat, ctx.cuts, masks, ctx.ps).view(ctx.x_shape)  # same buffer
-        return (gx, None, None, None, grads_a[0], grads_b[0], None, None, grads_a[1], grads_b[1],
-                None, None, grads_a[2], grads_b[2], None)
+            out["x"] = _add_adapter_dx_(gx, dxa, a_cat, cuts, masks, ps).view(x.shape)  # same buffer
+        return out
+
+
+def _saved(names, tensors, keep):
+    return tuple(t if n in keep else None for n, t in zip(names, tensors))
+
+
+class LoraQKVFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scales, ps, *tensors):
+        outs, res = qkv_fwd(*tensors, scales=scales, ps=ps)
+        ctx.save_for_backward(*_saved(qkv_spec.TENSORS, tensors, _QKV_SAVE), *res)
+        ctx.scales, ctx.ps = scales, ps
+        ctx.set_materialize_grads(False)  # k or v may be unused; skip their terms
+        return outs
+
+    @staticmethod
+    @once_differentiable  # the Triton kernels are not differentiable themselves
+    def backward(ctx, gq, gk, gv):
+        saved = ctx.saved_tensors
+        n = len(qkv_spec.TENSORS)
+        needs = dict(zip(qkv_spec.TENSORS, ctx.needs_input_grad[2:]))
+        out = qkv_bwd(saved[:n], saved[n:], (gq, gk, gv), needs, scales=ctx.scales, ps=ctx.ps)
+        return (None, None, *(out.get(name) for name in qkv_spec.TENSORS))
+
+
+_QKV_SAVE = frozenset(qkv_spec.TENSORS) - {f"bias_{p}" for p in qkv_spec.PROJ}
+QKV = _ops.register(_ops.KernelDef("lora_qkv", qkv_fwd, qkv_bwd, names=qkv_spec.TENSORS, diff=qkv_spec.TRAINABLE,
+                                   n_out=3, save=tuple(n for n in qkv_spec.TENSORS if n in _QKV_SAVE)))
 
 
 def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
@@ -272,18 +306,23 @@ def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, 
     _common.check_device(x=x, w_q=w_q, a_q=a_q, b_q=b_q, w_k=w_k, a_k=a_k, b_k=b_k, w_v=w_v, a_v=a_v, b_v=b_v)
     qkv_spec.frozen(torch.is_grad_enabled(), w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
     scales = (float(scale_q), float(scale_k), float(scale_v))
-    drop = _drop((mask_q, mask_k, mask_v), (x.shape[-1],) * 3, (dropout_q, dropout_k, dropout_v))
-    return LoraQKVFunction.apply(x, scales, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-                                 drop)
+    ps = tuple(float(p) if m is not None else 0.0 for m, p in ((mask_q, dropout_q), (mask_k, dropout_k),
+                                                                (mask_v, dropout_v)))
+    tensors = (x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, mask_q, mask_k, mask_v)
+    if _ops._compiling():
+        return _ops.call(QKV, *tensors, scales=scales, ps=ps)
+    return LoraQKVFunction.apply(scales, ps, *tensors)
 
 
 # ---------------------------------------------------------------------------------------- mlp
-class LoraMLPFunction(torch.autograd.Function):
-    @staticmethod
-    @_no_autocast
-    def forward(ctx, x, scales, gelu, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, drop):
-        s_g, s_u, s_d = scales
-        (m_g, m_u, m_d), ps = drop  # keep-masks (M, H), (M, H), (M, I) or None; probabilities
+def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, mask_gate=None, mask_up=None,
+            mask_down=None, *, scales, gelu, ps):
+    """y, (g, u, xa, ha, a_gu): the completed pre-activations, the adapters' down-projections
+    of x (gate and up side by side) and of h, and gate's and up's A stacked."""
+    s_g, s_u, s_d = scales
+    with _no_autocast((x,)):
+        m_g, m_u = (drop_spec.rows(m, x.shape[-1]) for m in (mask_gate, mask_up))
+        m_d = drop_spec.rows(mask_down, w_gate.shape[0])
         x2 = _rows(x)  # (M, H)
         m, inter, r, r_u = x2.shape[0], w_gate.shape[0], a_gate.shape[0], a_up.shape[0]
         ldt = a_gate.dtype
@@ -292,56 +331,84 @@ class LoraMLPFunction(torch.autograd.Function):
         u = x2 @ w_up.t()
         h = _common.empty((m, inter), x2.dtype, x2.device)
         if m and inter:
-            _lora_glu_fwd_kernel[_grid(m, inter)](
+            _LORA_GLU_FWD[_grid(m, inter)](
                 g, u, h, xa, b_gate, b_up, m, inter, r, r_u, s_g, s_u, xa.stride(0), xa.stride(1),
                 b_gate.stride(1), b_gate.stride(0), b_up.stride(1), b_up.stride(0),
                 GELU=gelu, **_consts(ldt, max(r, r_u), x2.dtype), num_warps=4)
         ha = drop_spec.apply(h.to(ldt), m_d, ps[2]) @ a_down.t()  # (M, r)
         y = h @ w_down.t()  # (M, H)
         lora_add_(y, ha, b_down.t(), s_d)
-        ctx.save_for_backward(x2, g, u, xa, ha, w_gate, w_up, w_down, a_gu, b_gate, b_up, a_down, b_down,
-                              m_g, m_u, m_d)
-        ctx.scales, ctx.gelu, ctx.x_shape, ctx.ps = scales, gelu, x.shape, ps
-        return y.view(*x.shape[:-1], w_down.shape[0])
+        return (y.view(*x.shape[:-1], w_down.shape[0]),), (g, u, xa, ha, a_gu)
 
-    @staticmethod
-    @once_differentiable  # the Triton kernels are not differentiable themselves
-    @_no_autocast
-    def backward(ctx, dy):
-        x2, g, u, xa, ha, w_gate, w_up, w_down, a_gu, b_gate, b_up, a_down, b_down, m_g, m_u, m_d = ctx.saved_tensors
-        s_g, s_u, s_d = ctx.scales
-        need = ctx.needs_input_grad
+
+def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
+    """{name: gradient} for the names ``needs`` asks for (x, a_p, b_p)."""
+    t = dict(zip(mlp_spec.TENSORS, inputs))
+    g, u, xa, ha, a_gu = res
+    x, (dy,) = t["x"], grads
+    s_g, s_u, s_d = scales
+    with _no_autocast((x, dy)):
+        x2 = _rows(x)
+        m_g, m_u = (drop_spec.rows(t[k], x.shape[-1]) for k in ("mask_gate", "mask_up"))
+        m_d = drop_spec.rows(t["mask_down"], g.shape[1])
+        w_gate, w_up, w_down = t["w_gate"], t["w_up"], t["w_down"]
+        b_gate, b_up, a_down, b_down = t["b_gate"], t["b_up"], t["a_down"], t["b_down"]
         m, inter, r = g.shape[0], g.shape[1], b_gate.shape[1]  # r: gate's rank
         ldt = a_gu.dtype
+        out = {}
         dy2 = dy.reshape(-1, dy.shape[-1])  # (M, H)
         dyl = dy2.to(ldt)
         dha = (dyl @ b_down).mul_(s_d)  # (M, r)
-        d_b_down = (dyl.t() @ ha).mul_(s_d) if need[11] else None  # (H, r)
+        if needs["b_down"]:
+            out["b_down"] = (dyl.t() @ ha).mul_(s_d)  # (H, r)
         dh = dy2 @ w_down  # (M, I); becomes h after the kernel
         dg = _common.empty_like(g)
         du = _common.empty_like(u)
         if m and inter:
-            _lora_glu_bwd_kernel[_grid(m, inter)](
+            _LORA_GLU_BWD[_grid(m, inter)](
                 dh, g, u, dg, du, dha, a_down, dha if m_d is None else m_d.view(torch.uint8),
-                drop_spec.scale(ctx.ps[2]), m, inter, r, dha.stride(0), dha.stride(1), a_down.stride(0),
-                a_down.stride(1), DROP=m_d is not None, GELU=ctx.gelu, **_consts(ldt, a_down.shape[0], g.dtype),
+                drop_spec.scale(ps[2]), m, inter, r, dha.stride(0), dha.stride(1), a_down.stride(0),
+                a_down.stride(1), DROP=m_d is not None, GELU=gelu, **_consts(ldt, a_down.shape[0], g.dtype),
                 num_warps=4)
         h = dh
-        d_a_down = dha.t() @ drop_spec.apply(h.to(ldt), m_d, ctx.ps[2]) if need[10] else None  # (r, I)
+        if needs["a_down"]:
+            out["a_down"] = dha.t() @ drop_spec.apply(h.to(ldt), m_d, ps[2])  # (r, I)
         dgl, dul = dg.to(ldt), du.to(ldt)
         dxa = torch.cat(((dgl @ b_gate).mul_(s_g), (dul @ b_up).mul_(s_u)), dim=1)  # (M, r + r_u)
-        d_b_gate = (dgl.t() @ xa[:, :r]).mul_(s_g) if need[5] else None  # (I, r)
-        d_b_up = (dul.t() @ xa[:, r:]).mul_(s_u) if need[8] else None
+        if needs["b_gate"]:
+            out["b_gate"] = (dgl.t() @ xa[:, :r]).mul_(s_g)  # (I, r)
+        if needs["b_up"]:
+            out["b_up"] = (dul.t() @ xa[:, r:]).mul_(s_u)
         cuts, masks = (0, r, a_gu.shape[0]), (m_g, m_u)
-        d_a_gate = d_a_up = None
-        if need[4] or need[7]:
-            d_a_gate, d_a_up = _adapter_grads(x2, dxa, a_gu, cuts, masks, ctx.ps[:2])
-        gx = None
-        if need[0]:
+        if needs["a_gate"] or needs["a_up"]:
+            out["a_gate"], out["a_up"] = _adapter_grads(x2, dxa, a_gu, cuts, masks, ps[:2])
+        if needs["x"]:
             gx = dg @ w_gate  # (M, H): base and LoRA paths accumulated into one buffer
             gx.addmm_(du, w_up)
-            gx = _add_adapter_dx_(gx, dxa, a_gu, cuts, masks, ctx.ps[:2]).view(ctx.x_shape)
-        return (gx, None, None, None, d_a_gate, d_b_gate, None, d_a_up, d_b_up, None, d_a_down, d_b_down, None)
+            out["x"] = _add_adapter_dx_(gx, dxa, a_gu, cuts, masks, ps[:2]).view(x.shape)
+        return out
+
+
+class LoraMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scales, gelu, ps, *tensors):
+        (y,), res = mlp_fwd(*tensors, scales=scales, gelu=gelu, ps=ps)
+        ctx.save_for_backward(*tensors, *res)
+        ctx.scales, ctx.gelu, ctx.ps = scales, gelu, ps
+        return y
+
+    @staticmethod
+    @once_differentiable  # the Triton kernels are not differentiable themselves
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        n = len(mlp_spec.TENSORS)
+        needs = dict(zip(mlp_spec.TENSORS, ctx.needs_input_grad[3:]))
+        out = mlp_bwd(saved[:n], saved[n:], (dy,), needs, scales=ctx.scales, gelu=ctx.gelu, ps=ctx.ps)
+        return (None, None, None, *(out.get(name) for name in mlp_spec.TENSORS))
+
+
+MLP = _ops.register(_ops.KernelDef("lora_mlp", mlp_fwd, mlp_bwd, names=mlp_spec.TENSORS, diff=mlp_spec.TRAINABLE,
+                                   n_out=1))
 
 
 def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
@@ -356,7 +423,10 @@ def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down
                          b_up=b_up, w_down=w_down, a_down=a_down, b_down=b_down)
     mlp_spec.frozen(torch.is_grad_enabled(), w_gate=w_gate, w_up=w_up, w_down=w_down)
     scales = (float(scale_gate), float(scale_up), float(scale_down))
-    h, inter = x.shape[-1], w_gate.shape[0]
-    drop = _drop((mask_gate, mask_up, mask_down), (h, h, inter), (dropout_gate, dropout_up, dropout_down))
-    return LoraMLPFunction.apply(x, scales, act == "gelu_tanh", w_gate, a_gate, b_gate, w_up, a_up, b_up,
-                                 w_down, a_down, b_down, drop)
+    ps = tuple(float(p) if m is not None else 0.0 for m, p in ((mask_gate, dropout_gate), (mask_up, dropout_up),
+                                                                (mask_down, dropout_down)))
+    tensors = (x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, mask_gate, mask_up, mask_down)
+    gelu = act == "gelu_tanh"
+    if _ops._compiling():
+        return _ops.call(MLP, *tensors, scales=scales, gelu=gelu, ps=ps)[0]
+    return LoraMLPFunction.apply(scales, gelu, ps, *tensors)

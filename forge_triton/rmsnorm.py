@@ -7,7 +7,7 @@ import triton.language as tl
 
 from forge.spec import rmsnorm as spec
 
-from . import _common, _launch
+from . import _common, _launch, _ops
 from ._common import cast
 
 MAX_WIDTH = 65536  # one row lives in registers
@@ -97,10 +97,11 @@ _fwd = _launch.FastKernel(_rmsnorm_fwd_kernel)
 _bwd = _launch.FastKernel(_rmsnorm_bwd_kernel)
 _dw_reduce = _launch.FastKernel(_dw_reduce_kernel)
 DW_BLOCK_N = 128
-_CFG: dict[int, tuple[int, int, int]] = {}
+_CFG = _common.BoundedCache()  # width -> launch configuration
 
 
 def _launch_cfg(n: int) -> tuple[int, int, int]:
+    n = int(n)  # (a symbolic width while torch.compile traces: the block sizes fix it)
     cfg = _CFG.get(n)
     if cfg is None:
         block_n = _common.next_pow2(max(n, 1))
@@ -183,7 +184,22 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
 
 
-_OK_CFG: set = set()  # (casting, eps, offset) already validated
+def _op_fwd(x, weight, *, eps, casting, offset):
+    y, _x2, rstd = rmsnorm_fwd(x, weight, eps, casting, offset)
+    return (y,), (rstd,)
+
+
+def _op_bwd(inputs, res, grads, needs, *, eps, casting, offset):
+    x, weight = inputs
+    x2, _ = _rows(x, x.shape[-1])
+    dx, dw = rmsnorm_bwd(grads[0], x2, weight, res[0], casting, offset)
+    return {"x": dx.view(x.shape), "weight": dw}
+
+
+RMSNORM = _ops.register(_ops.KernelDef("rmsnorm", _op_fwd, _op_bwd, names=("x", "weight"), diff=("x", "weight"),
+                                       n_out=1, inductor=True))
+
+_OK_CFG = _common.Validated()  # (casting, eps, offset) already checked by the spec
 
 
 def _hot(x, weight, eps, casting, offset) -> bool:
@@ -196,13 +212,20 @@ def _hot(x, weight, eps, casting, offset) -> bool:
         return False
 
 
+def _check(x, weight, eps, casting, offset):
+    spec.check(x, weight, eps, casting, offset)
+    _common.check_device(x=x, weight=weight)
+    if x.shape[-1] > MAX_WIDTH:
+        raise ValueError(f"x's last dimension {x.shape[-1]} exceeds the kernel's maximum width {MAX_WIDTH}")
+
+
 def rmsnorm(x, weight, eps: float = 1e-6, *, casting: str = "llama", offset: float = 0.0):
     """Triton RMSNorm with the signature of ``forge.spec.rmsnorm.reference``."""
+    if _ops._compiling():
+        _check(x, weight, eps, casting, offset)
+        return _ops.call(RMSNORM, x, weight, eps=float(eps), casting=casting, offset=float(offset))[0]
     if not _hot(x, weight, eps, casting, offset):
-        spec.check(x, weight, eps, casting, offset)
-        _common.check_device(x=x, weight=weight)
-        if x.shape[-1] > MAX_WIDTH:
-            raise ValueError(f"x's last dimension {x.shape[-1]} exceeds the kernel's maximum width {MAX_WIDTH}")
+        _check(x, weight, eps, casting, offset)
         _OK_CFG.add((casting, eps, offset))
     if not _common.needs_autograd(x, weight):
         return rmsnorm_fwd(x, weight, eps, casting, offset)[0]

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from forge.spec import rope as spec
 
-from . import _common, _launch
+from . import _common, _launch, _ops
 from ._common import cast
 
 
@@ -64,10 +64,11 @@ def _rope_kernel(
 WARPS = None  # None: by tile size; bench/tune_triton.py sweeps it
 
 _kernel = _launch.FastKernel(_rope_kernel)
-_CFG: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+_CFG = _common.BoundedCache()  # (hq, hk, d) -> launch configuration
 
 
 def _cfg(hq, hk, d):
+    hq, hk, d = int(hq), int(hk), int(d)  # (symbolic while torch.compile traces: the blocks fix them)
     cfg = _CFG.get((hq, hk, d))
     if cfg is None:
         cfg = _CFG[(hq, hk, d)] = (d // 2, _common.next_pow2(d // 2), _common.next_pow2(hq), _common.next_pow2(hk))
@@ -129,12 +130,34 @@ class RoPEFunction(torch.autograd.Function):
         return dq_in, dk_in, None, None
 
 
+def _op_fwd(q, k, cos, sin):
+    return rope_apply(q, k, cos, sin, backward=False), ()
+
+
+def _op_bwd(inputs, res, grads, needs):
+    _q, _k, cos, sin = inputs
+    dq, dk = rope_apply(grads[0], grads[1], cos, sin, backward=True)
+    return {"q": dq, "k": dk}
+
+
+ROPE = _ops.register(_ops.KernelDef("rope", _op_fwd, _op_bwd, names=("q", "k", "cos", "sin"), diff=("q", "k"),
+                                    n_out=2, save=("cos", "sin"), inductor=True))
+
+
+def _rope_op(q, k, cos, sin):
+    return _ops.call(ROPE, q, k, cos, sin)
+
+
 def rope(q, k, cos, sin, unsqueeze_dim: int = 1):
     """Triton RoPE with the signature of ``forge.spec.rope.reference``; returns (q_out, k_out)."""
-    if not _hot(q, k, cos, sin, unsqueeze_dim):
+    compiling = _ops._compiling()
+    if compiling or not _hot(q, k, cos, sin, unsqueeze_dim):
         spec.check(q, k, cos, sin, unsqueeze_dim)
         _common.check_device(q=q, k=k, cos=cos, sin=sin)
-    fn = RoPEFunction.apply if _common.needs_autograd(q, k, cos, sin) else _rope_bare
+    if compiling:
+        fn = _rope_op
+    else:
+        fn = RoPEFunction.apply if _common.needs_autograd(q, k, cos, sin) else _rope_bare
     if unsqueeze_dim == 2:  # (B, S, H, D): rotate the (B, H, S, D) view, hand back the same layout
         qo, ko = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return qo.transpose(1, 2), ko.transpose(1, 2)

@@ -20,7 +20,7 @@ from forge.spec import fused_linear_ce as spec
 from forge.spec import tolerance
 from oracle import check_op
 
-BACKENDS = ["triton", "pallas"]
+BACKENDS = list(ops.BACKENDS)  # from the registry (forge.ops.BACKENDS_TABLE)
 # every backend with each strategy: vocabulary tiles, and row chunks (CPU 4 rows -> 4 chunks of
 # 13 rows, the last ragged; GPU 128 rows) forced where the default would pick the tiles
 VARIANTS = ["triton", "triton-rows", "pallas", "pallas-rows"]
@@ -112,7 +112,7 @@ def test_backends_agree(dtype, case, shape, tile, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,tile", _shapes())
 def test_backward_scales_in_place(backend, dtype, shape, tile, device):
-    # both backends go through forge._precomputed: the forward's gradient buffers (on the
+    # both backends go through forge.ops.precomputed: the forward's gradient buffers (on the
     # autograd node) become the .grad tensors, multiplied by grad_output in place with one
     # rounding of the fp32 product (c = 0.37 is not a bf16 number: scaling by a rounded c, not
     # at all, or twice all show); a second backward raises instead of scaling again
@@ -371,21 +371,24 @@ def test_no_host_sync(backend, device):
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
 
 
-@pytest.mark.parametrize("package", ["forge_triton", "bridge"])
-def test_ops_get_after_a_direct_submodule_import(package):
-    # the kernel module and its public function share a name: a direct submodule import (as
-    # forge._precomputed does for the Triton scaling kernel) binds the module over the lazily
-    # loaded function; ops.get must still return the function. A fresh interpreter, so the
+@pytest.mark.parametrize("package,key", [("forge_triton", "rmsnorm"), ("forge_triton", "fused_linear_ce"),
+                                         ("bridge", "fused_linear_ce")])
+def test_ops_get_after_a_direct_submodule_import(package, key):
+    # a kernel module and the public function may share a name: a direct submodule import binds
+    # the module over the lazily loaded name; ops.get must still return a function (for the
+    # loss, the op layer's node built from the module's pieces). A fresh interpreter, so the
     # import happens first.
     import subprocess
     import sys
 
     backend = {"forge_triton": "triton", "bridge": "pallas"}[package]
-    code = (f"import {package}.fused_linear_ce, types\n"
+    code = (f"import {package}.{key}, types\n"
             f"from forge import ops\n"
-            f"fn = ops.get('fused_linear_ce', {backend!r})\n"
+            f"fn = ops.get({key!r}, {backend!r})\n"
             f"assert callable(fn) and not isinstance(fn, types.ModuleType), fn\n"
-            f"import {package}; assert {package}.fused_linear_ce is fn\n")
+            f"assert ops.get({key!r}, {backend!r}) is fn\n")
+    if key == "rmsnorm":
+        code += f"import {package}; assert {package}.{key} is fn\n"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
 

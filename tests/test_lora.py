@@ -19,7 +19,7 @@ from forge.spec import lora_qkv as qkv_spec
 from forge.spec import tolerance
 from oracle import check_op
 
-BACKENDS = ["triton", "pallas"]
+BACKENDS = list(ops.BACKENDS)  # from the registry (forge.ops.BACKENDS_TABLE)
 
 # (lead dims, hidden, q width, k/v width or intermediate): odd widths, rows not a block multiple
 # (Pallas in its interpreter compiles each new shape / dtype / variant for seconds: CPU cases are

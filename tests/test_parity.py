@@ -24,7 +24,7 @@ from forge.spec import swiglu as swiglu_spec
 from forge.spec import tolerance
 from oracle import check_op
 
-BACKENDS = ["triton", "pallas"]
+BACKENDS = list(ops.BACKENDS)  # from the registry (forge.ops.BACKENDS_TABLE)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import operator
+import sys
 import types
+import weakref
 
 from torch import nn
 
@@ -325,6 +328,23 @@ def _apply_glu(p, arch, mlps, lora_mlps):
         p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")
 
 
+_GLOBALS_SEQ = itertools.count()
+
+
+def _globals_module(g: dict) -> dict:
+    """A copy of a module's globals that is itself a module's ``__dict__``, registered in
+    ``sys.modules`` under a name of its own: torch.compile finds a function's globals through the
+    module named by ``__name__`` (it guards on them there), so a plain dict copy that still says
+    HF's module name would be read back as HF's module. The entry goes when the last function
+    using these globals does (weakref.finalize on the rebuilt forward, see :func:`_apply_rope`)."""
+    name = f"forge._patched_globals.{g.get('__name__', 'module')}.{next(_GLOBALS_SEQ)}"
+    mod = types.ModuleType(name)
+    mod.__dict__.update(g)
+    mod.__dict__["__name__"] = name
+    sys.modules[name] = mod
+    return mod.__dict__
+
+
 def _apply_rope(p, arch, attns):
     if not arch.rope and p.wants("rope"):
         p.skip("rope", f"{arch.model_type} attention does not use apply_rotary_pos_emb", applies=False)
@@ -346,9 +366,10 @@ def _apply_rope(p, arch, attns):
                     raise fw.RebuildError(f"{cls.__name__}.forward does not call a module-level {name}")
                 # a copy of the modeling module's globals with forge's RoPE under HF's name: the
                 # module itself, and every other model using it, keep HF's function
-                g = dict(g)
+                g = _globals_module(g)
                 g[name] = fw.rope_function(kernel, inner.__globals__[name], thr, ks)
                 built[cls] = fw.rebuild(cls.forward, lambda f: fw.copy_function(f, g, f.__closure__))
+                weakref.finalize(built[cls], sys.modules.pop, g["__name__"], None)
             except fw.RebuildError as e:
                 why.append(str(e))
         if built[cls] is not None:

@@ -34,7 +34,7 @@ import weakref
 import torch
 from torch import nn
 
-from .._gated_mlp import _any_autocast
+from ..ops.gated_mlp import _any_autocast
 from . import decode_runtime as rt
 
 BUCKET = 256  # static cache lengths are multiples of this

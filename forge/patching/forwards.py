@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._gated_mlp import _any_autocast
+from ..ops.gated_mlp import _any_autocast
 from ..spec.fused_linear_ce import check_labels
 from .guard import CAPTURE
 

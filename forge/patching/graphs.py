@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .._gated_mlp import _any_autocast
+from ..ops.gated_mlp import _any_autocast
 from .guard import CAPTURE
 
 MAX_SETS = 4          # input shapes captured per model; calls of further shapes run uncaptured

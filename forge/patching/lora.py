@@ -44,10 +44,14 @@ import torch
 from torch import nn
 
 from ..spec import lora_dropout as _drop
+from ..spec import lora_mlp as _mlp_spec
+from ..spec import lora_qkv as _qkv_spec
 from . import arch as _arch
 from .forwards import _compiling
 
 QKV = ("q_proj", "k_proj", "v_proj")
+_QKV_NAMES = _qkv_spec.TENSORS[:13]  # x, then w, bias, a, b per projection (the masks are keywords)
+_MLP_NAMES = _mlp_spec.TENSORS[:10]  # x, then w, a, b per projection
 _ACT = {name: act for act, names in (("silu", _arch.GLU_ACTS["swiglu"]), ("gelu_tanh", _arch.GLU_ACTS["geglu"]))
         for name in names}
 
@@ -207,7 +211,8 @@ def _mlp_forward(kernel, act, lora_linear, ks):
         drop = _masks(x, ("gate", "up", "down"), ps, (x.shape[-1], x.shape[-1], wg.shape[0]))
         if not _compiling():
             ks.fused += 1
-        return kernel(*ts, scale_gate=sg, scale_up=su, scale_down=sd, act=act, **drop)
+        # every tensor bound to its spec name (forge.spec.lora_mlp.TENSORS), never by position
+        return kernel(**dict(zip(_MLP_NAMES, ts)), scale_gate=sg, scale_up=su, scale_down=sd, act=act, **drop)
 
     return forward
 
@@ -227,7 +232,9 @@ def _qkv_forwards(kernel, lora_linear, ks):
                 if torch.is_autocast_enabled(x.device.type):
                     ts = _cast(cd, *ts)
                 drop = _masks(x, "qkv", ps, (x.shape[-1],) * 3)
-                q, k, v = kernel(*ts, scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4], **drop)
+                # every tensor bound to its spec name (forge.spec.lora_qkv.TENSORS)
+                q, k, v = kernel(**dict(zip(_QKV_NAMES, ts)), scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4],
+                                 **drop)
                 slots[id(attn)] = [x, x._version, torch.is_grad_enabled(), k, v]
                 if not _compiling():
                     ks.fused += 1

@@ -8,8 +8,6 @@ no backend can run the kernel); ``wants(key)`` (requested and allowed in this mo
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import errors, ops
@@ -61,20 +59,19 @@ class Patcher:
         return b
 
     def kernel(self, key: str):
-        """The kernel function the patched forwards call, opaque to torch.compile: dynamo
-        failed inside the kernels on the H200 (the loss's fp32-output addmm under fake tensors,
-        an internal error in a Triton wrapper), so a compiled patched model runs each kernel
-        outside its graphs (a graph break per call; ~1 us of host time per call in eager)."""
+        """The kernel function the patched forwards call (``forge.ops.get``): eagerly the
+        backend's direct path, under torch.compile its ``torch.ops.forge`` ops, which dynamo
+        traces into the graph (no graph break)."""
         b, hit = self._load(key)
         if b is None:
             raise errors.BackendUnavailableError(hit)
-        return _opaque(hit)
+        return hit
 
     def companion(self, key: str, fn_name: str):
-        """Another function of the backend that runs ``key`` (e.g. the gated MLP beside swiglu),
-        opaque to torch.compile like :meth:`kernel`; None when that backend lacks it."""
+        """Another function of the backend that runs ``key`` (e.g. the gated MLP beside swiglu);
+        None when that backend lacks it."""
         try:
-            return _opaque(ops.get(fn_name, self.backend(key)))
+            return ops.get(fn_name, self.backend(key))
         except errors.BackendUnavailableError:
             return None
 
@@ -194,8 +191,3 @@ def restore(records) -> None:
         else:
             module.__dict__.pop(name, None)
 
-
-@functools.cache
-def _opaque(fn):
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn

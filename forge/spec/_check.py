@@ -31,3 +31,28 @@ def same_shape(a_name: str, a, b_name: str, b) -> None:
 def same_dtype(a_name: str, a, b_name: str, b) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}")
+
+
+class BoundedCache(dict):
+    """A dict of at most ``maxsize`` entries (launch configurations per shape): when full, the
+    oldest entry goes, so a process that sees ever new shapes does not grow it without bound."""
+
+    __slots__ = ("maxsize",)
+
+    def __init__(self, maxsize: int = 1024):
+        super().__init__()
+        self.maxsize = maxsize
+
+    def __setitem__(self, key, value):
+        if len(self) >= self.maxsize and key not in self:
+            del self[next(iter(self))]
+        super().__setitem__(key, value)
+
+
+class Validated(BoundedCache):
+    """A bounded set of argument signatures the spec's checks already accepted."""
+
+    __slots__ = ()
+
+    def add(self, key) -> None:
+        self[key] = None

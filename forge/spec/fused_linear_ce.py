@@ -100,10 +100,12 @@ def check_label_range(labels, vocab: int, ignore_index: int) -> None:
     first bad label, as eager's. On other devices ``torch._assert_async``: a device-side assert
     like the one torch's own CUDA loss kernels raise, queued with no host sync (a few tiny
     launches over N labels); it surfaces at the next call that synchronises and, as torch's,
-    leaves the CUDA context unusable. The kernels must never see such a label: they would give
-    a finite but meaningless loss (and the Pallas path narrows labels to int32 without x64)."""
+    leaves the CUDA context unusable. Under torch.compile ``torch._assert_async`` on the CPU too
+    (a RuntimeError when the compiled step runs; reading the labels while tracing would break
+    the graph). The kernels must never see such a label: they would give a finite but
+    meaningless loss (and the Pallas path narrows labels to int32 without x64)."""
     ok = ((labels >= 0) & (labels < vocab)) | (labels == ignore_index)  # (N,)
-    if labels.device.type != "cpu":
+    if labels.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(ok.all(), f"fused_linear_ce: a label is out of bounds: labels must be "
                                       f"in [0, {vocab}) or ignore_index={ignore_index}")
     elif not bool(ok.all()):

@@ -43,6 +43,10 @@ from .lora_qkv import _proj_args, frozen, project
 
 ACTS = ("silu", "gelu_tanh")
 PROJ = ("gate", "up", "down")
+# the tensor arguments by name, in the signature's order (the masks are keywords), and those
+# with a gradient: every backend binds its gradients to these names, never to positions
+TENSORS = ("x", *(f"{t}_{p}" for p in PROJ for t in ("w", "a", "b")), *(f"mask_{p}" for p in PROJ))
+TRAINABLE = ("x", *(f"{t}_{p}" for p in PROJ for t in ("a", "b")))
 
 
 def check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,

@@ -39,6 +39,10 @@ import torch.nn.functional as F
 from . import _check, lora_dropout
 
 PROJ = ("q", "k", "v")
+# the tensor arguments by name, in the signature's order (the masks are keywords), and those
+# with a gradient: every backend binds its gradients to these names, never to positions
+TENSORS = ("x", *(f"{t}_{p}" for p in PROJ for t in ("w", "bias", "a", "b")), *(f"mask_{p}" for p in PROJ))
+TRAINABLE = ("x", *(f"{t}_{p}" for p in PROJ for t in ("a", "b")))
 
 
 def _proj_args(name, x, w, bias, a, b, scale, *, width=None, in_name="x"):

@@ -1,7 +1,7 @@
-"""The gated MLP as one autograd node (spec: forge/spec/gated_mlp.py), shared by both backends.
+"""The gated MLP as one autograd node (spec: forge/spec/gated_mlp.py), shared by every backend.
 
 The matrix products are torch's (cuBLAS, as eager's); the backend supplies the activation's two
-kernels through :class:`ActOps`:
+kernels (its ``mlp_act(act)`` pieces, made into :class:`ActOps` by the registry):
 
   ``act(g, u) -> h``                      the forward (h = act(g) * u), no autograd
   ``act_bwd(dh, g, u) -> (dg, du, h)``    the backward, recomputing h for d_w_down
@@ -15,7 +15,12 @@ A backend whose ``act_bwd`` writes its results over g, u and dh (``inplace=True`
 saved activations are dead after this backward, so the step allocates nothing rows x I but dh)
 bumps the saved tensors' version counters, so a second backward through the same graph
 (``retain_graph=True``) raises torch's usual "modified by an inplace operation" error instead of
-reading overwritten activations. Imports torch only.
+reading overwritten activations.
+
+Under torch.compile the node is one op pair, ``torch.ops.forge.<backend>_gated_mlp_fwd`` /
+``_bwd`` (registered through forge.ops.library by :class:`NodeAdaptor`): the same products and
+pieces, the backward step into fresh tensors (an op may not write over its inputs), the fakes
+from the shapes. Imports torch and forge.spec only (never a backend).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class ActOps:
     act_bwd: Callable
     inplace: bool
     device_type: str  # autocast is turned off inside the node for this device type
+    act_bwd_fresh: Callable | None = None  # act_bwd into fresh tensors (inplace backends)
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: torch.is_autocast_enabled())
@@ -99,3 +105,98 @@ def apply(ops: ActOps, x, w_gate, w_up, w_down, recompute=False):
         return GatedMLPFunction.apply(x, w_gate, w_up, w_down, ops, recompute)
     with _no_autocast(ops):
         return F.linear(ops.act(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
+
+
+# ------------------------------------------------------------------------- the op pair
+class _Def:
+    name = "gated_mlp"
+    names = ("x", "w_gate", "w_up", "w_down")
+
+
+DEF = _Def()
+
+
+class NodeAdaptor:
+    """The gated MLP of one backend as forge.ops.library ops (see forge.ops.library for the
+    adaptor's functions). ``ops_for(act) -> ActOps``: the backend's pieces."""
+
+    def __init__(self, ops_for):
+        self.ops_for = ops_for
+
+    def install(self, traced):
+        self.traced = traced
+
+    def kernels(self):
+        return [DEF]
+
+    def op_name(self, kdef):
+        return kdef.name
+
+    def input_names(self, kdef, n):
+        return kdef.names
+
+    def diff_names(self, kdef, n):
+        return kdef.names
+
+    def saved_present(self, kdef, present):
+        return tuple(present)
+
+    def has_bwd(self, kdef):
+        return True
+
+    def inductor(self, kdef):
+        return False
+
+    def wrapped(self, body):
+        return body
+
+    def run_fwd(self, kdef, tensors, static):
+        x, w_gate, w_up, w_down = tensors
+        ops = self.ops_for(static["act"])
+        with _no_autocast(ops):
+            g, u = F.linear(x, w_gate), F.linear(x, w_up)
+            y = F.linear(ops.act(g, u), w_down)
+        return (y,), (() if static["recompute"] else (g, u))
+
+    def fake_fwd(self, kdef, tensors, static):
+        x, w_gate, _w_up, w_down = tensors
+        lead = tuple(x.shape[:-1])
+        y = x.new_empty(lead + (w_down.shape[0],))
+        if static["recompute"]:
+            return (y,), ()
+        return (y,), (x.new_empty(lead + (w_gate.shape[0],)), x.new_empty(lead + (w_gate.shape[0],)))
+
+    def run_bwd(self, kdef, inputs, res, grads, needs, static, dtypes):
+        x, w_gate, w_up, w_down = inputs
+        ops = self.ops_for(static["act"])
+        (dy,) = grads
+        with _no_autocast(ops):
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            dh = torch.mm(dy2, w_down)  # (M, I)
+            x2 = x.reshape(-1, x.shape[-1])
+            if static["recompute"]:
+                g, u = torch.mm(x2, w_gate.t()), torch.mm(x2, w_up.t())
+                dg, du, h = ops.act_bwd(dh, g, u)  # g and u are this call's own
+            else:
+                g, u = res
+                dg, du, h = (ops.act_bwd_fresh or ops.act_bwd)(dh, g.reshape(dh.shape), u.reshape(dh.shape))
+            out = {}
+            if needs["w_down"]:
+                out["w_down"] = torch.mm(dy2.t(), h)
+            if needs["w_gate"]:
+                out["w_gate"] = torch.mm(dg.t(), x2)
+            if needs["w_up"]:
+                out["w_up"] = torch.mm(du.t(), x2)
+            if needs["x"]:
+                dx = torch.mm(dg, w_gate)
+                dx.addmm_(du, w_up)
+                out["x"] = dx.view(x.shape)
+        return out
+
+    def fake_bwd(self, kdef, inputs, res, grads, needs, static, dtypes):
+        return {n: torch.empty_like(t) for n, t in zip(kdef.names, inputs) if needs[n]}
+
+
+def traced_apply(adaptor: NodeAdaptor, x, w_gate, w_up, w_down, act, recompute):
+    """The node under torch.compile: its forward op (autograd registered)."""
+    return adaptor.traced(DEF, (x, w_gate, w_up, w_down), {"act": act, "recompute": bool(recompute)})[0]

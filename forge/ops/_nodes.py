@@ -1,0 +1,72 @@
+"""The functional APIs of the backend-neutral nodes, one per backend, built by the registry
+(``forge.ops.get``) from the pieces the backend hands over: the spec's checks (one path,
+bounded cache of what passed), the eager node, and under torch.compile the node's op pair."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..spec import _check
+from ..spec import gated_mlp as mlp_spec
+from . import gated_mlp as _mlp
+from . import library
+from . import precomputed as _pre
+
+_FLOATS = frozenset(_check.FLOAT_DTYPES)
+
+
+def gated_mlp(backend: str, mlp_act, check_devices):
+    """The gated MLP of ``backend`` (forge.spec.gated_mlp), or None without its pieces."""
+    if mlp_act is None:
+        return None
+
+    @functools.cache
+    def ops_for(act):
+        return _mlp.ActOps(**mlp_act(act))
+
+    adaptor = _mlp.NodeAdaptor(ops_for)
+    adaptor.install(library.traced_entry(backend, adaptor))
+    ok = _check.Validated(64)  # (device index, dtype, act) that passed the spec's and device checks
+
+    def gated_mlp(x, w_gate, w_up, w_down, *, act: str = "silu", recompute: bool = False):
+        compiling = torch.compiler.is_compiling()
+        # the common case in attribute reads; anything else takes the full checks, which raise
+        if compiling or not (
+                x.dtype in _FLOATS and x.dtype is w_gate.dtype is w_up.dtype is w_down.dtype
+                and w_gate.dim() == 2 and w_down.dim() == 2 and w_gate.shape == w_up.shape
+                and w_gate.shape[1] == x.shape[-1] == w_down.shape[0] and w_down.shape[1] == w_gate.shape[0]
+                and x.get_device() == w_gate.get_device() == w_up.get_device() == w_down.get_device()
+                and (x.get_device(), x.dtype, act) in ok):
+            mlp_spec.check(x, w_gate, w_up, w_down, act)
+            check_devices(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+            if not compiling:
+                ok.add((x.get_device(), x.dtype, act))
+        if x.numel() == 0 or w_gate.shape[0] == 0:
+            return mlp_spec.reference(x, w_gate, w_up, w_down, act=act)
+        if compiling:
+            return _mlp.traced_apply(adaptor, x, w_gate, w_up, w_down, act, recompute)
+        return _mlp.apply(ops_for(act), x, w_gate, w_up, w_down, recompute)
+
+    gated_mlp.__qualname__ = gated_mlp.__name__ = "gated_mlp"
+    gated_mlp.__doc__ = f"{backend.capitalize()} gated MLP (forge.spec.gated_mlp): torch's products around the " \
+                        "backend's GLU kernels, one autograd node (forge.ops.gated_mlp)."
+    return gated_mlp
+
+
+def fused_linear_ce(backend: str, prepare, compute, one_pass):
+    """The fused linear cross-entropy of ``backend`` (forge.spec.fused_linear_ce)."""
+    adaptor = _pre.NodeAdaptor(compute, one_pass)
+    adaptor.install(library.traced_entry(backend, adaptor))
+
+    def fused_linear_ce(hidden, weight, labels, bias=None, **kwargs):
+        tensors, static = prepare(hidden, weight, labels, bias, **kwargs)
+        if torch.compiler.is_compiling():
+            return _pre.traced_apply(adaptor, tensors, static, hidden, weight, bias)
+        return _pre.apply(functools.partial(compute, tensors, static), hidden, weight, bias, one_pass=one_pass)
+
+    fused_linear_ce.__doc__ = (f"{backend.capitalize()} fused linear cross-entropy with the signature of "
+                               "forge.spec.fused_linear_ce.reference (plus the backend's strategy options, "
+                               "tile_vocab and chunk_rows); its autograd node is forge.ops.precomputed.\n\n"
+                               + (prepare.__doc__ or ""))
+    return fused_linear_ce

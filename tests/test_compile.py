@@ -1,0 +1,192 @@
+"""torch.compile over patched models, through the op layer (forge.ops.library).
+
+Every kernel of both backends is a torch.ops.forge op with a fake and registered autograd, so a
+patched model traces whole: ``fullgraph=True``, zero graph breaks by ``torch._dynamo.explain``,
+outputs and gradients as the eager patched model's, no recompile at a fixed shape. On the CPU
+the backend is ``aot_eager`` (AOT autograd's joint graph, no C++ compiler needed) and the
+kernels run in their interpreters at tiny widths; tests/test_compile_gpu.py runs inductor on a
+GPU. Each op passes ``torch.library.opcheck`` (schema, fake, autograd registration, AOT dispatch).
+"""
+from __future__ import annotations
+
+from forge import _runtime
+
+_runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import forge  # noqa: E402
+from forge import ops  # noqa: E402
+from forge.__main__ import build_model  # noqa: E402
+from forge.patching import arch as arch_table  # noqa: E402
+from forge.spec import tolerance  # noqa: E402
+
+BACKENDS = ops.BACKENDS
+ARCHS = arch_table.SUPPORTED
+
+
+def need(backend):
+    ok, why = ops.availability(backend)
+    if not ok:
+        pytest.skip(why)
+
+
+def _batch(model, b=2, s=8, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (b, s), generator=g)
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return ids, labels
+
+
+def _train_step(m, model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss = m(ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close(name, got, want, k):
+    # the same kernels on the same inputs: the compiled graph may only reorder torch's own ops
+    # around them (fp32 accumulation noise), far inside the oracle's bound for fp32
+    err, bound = tolerance.rel_err(got, want), tolerance.atol(torch.float32, k)
+    assert err <= bound, f"{name}: compiled vs eager patched rel err {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_fullgraph_compile_train_and_infer(model_type, backend):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    need(backend)
+    torch._dynamo.reset()
+    model = build_model(model_type, num_hidden_layers=1)
+    ids, labels = _batch(model)
+    forge.patch(model, backend=backend, min_elements=0)
+    counts = dict(model._forge_patched_counts)
+    assert {"rmsnorm", "rope", "fused_linear_ce"} <= counts.keys(), model._forge_skipped
+    k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
+
+    # train: labels through the fused loss, the gated MLP node, rmsnorm and rope with autograd
+    explained = torch._dynamo.explain(model)(ids, labels=labels)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    want_loss, want_grads = _train_step(model, model, ids, labels)
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=cnt, fullgraph=True)
+    got_loss, got_grads = _train_step(compiled, model, ids, labels)
+    _close("loss", got_loss, want_loss, k)
+    assert got_grads.keys() == want_grads.keys()
+    for n in want_grads:
+        _close(f"grad {n}", got_grads[n], want_grads[n], k)
+    frames = cnt.frame_count
+    assert frames == 1
+    _train_step(compiled, model, ids, labels)
+    assert cnt.frame_count == frames, "recompiled on the second step at the same shape"
+
+    # infer: eval mode, no grad, logits
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+        cnt = CompileCounterWithBackend("aot_eager")
+        got = torch.compile(model, backend=cnt, fullgraph=True)(ids).logits
+    _close("logits", got, want, k)
+    assert cnt.frame_count == 1
+    torch._dynamo.reset()
+
+
+def _opcheck_cases(backend):
+    """(op name, args) for every op of ``backend`` at small CPU shapes: each forward op called
+    through its kernel's functional API (the args are what the API hands the op)."""
+    calls = []
+    kernels = {
+        "rmsnorm": lambda f: f(torch.randn(3, 16, requires_grad=True), torch.randn(16, requires_grad=True)),
+        "swiglu": lambda f: f(torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)),
+        "geglu": lambda f: f(torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)),
+        "rope": lambda f: f(torch.randn(1, 2, 4, 8, requires_grad=True), torch.randn(1, 1, 4, 8, requires_grad=True),
+                            torch.randn(1, 4, 8), torch.randn(1, 4, 8)),
+        "gated_mlp": lambda f: f(torch.randn(3, 16, requires_grad=True), torch.randn(24, 16, requires_grad=True),
+                                 torch.randn(24, 16, requires_grad=True), torch.randn(16, 24, requires_grad=True)),
+        "fused_linear_ce": lambda f: f(torch.randn(6, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True),
+                                       torch.tensor([1, 5, -100, 39, 0, 7])),
+    }
+    r = 4
+
+    def lora_qkv(f):
+        x = torch.randn(3, 16, requires_grad=True)
+        w = [torch.randn(n, 16) for n in (16, 8, 8)]
+        ab = [t.requires_grad_() for n in (16, 8, 8) for t in (torch.randn(r, 16), torch.randn(n, r))]
+        with_bias = f(x, w[0], torch.randn(16), ab[0], ab[1], w[1], None, ab[2], ab[3], w[2], None, ab[4], ab[5],
+                      scale_q=2.0, scale_k=0.5, scale_v=1.0)
+        no_bias = f(x, w[0], None, ab[0], ab[1], w[1], None, ab[2], ab[3], w[2], None, ab[4], ab[5],
+                    scale_q=2.0, scale_k=0.5, scale_v=1.0)
+        return with_bias + no_bias
+
+    def lora_mlp(f):
+        x = torch.randn(3, 16, requires_grad=True)
+        wg, wu, wd = torch.randn(24, 16), torch.randn(24, 16), torch.randn(16, 24)
+        ab = [t.requires_grad_() for a, b in ((16, 24), (16, 24), (24, 16))
+              for t in (torch.randn(r, a), torch.randn(b, r))]
+        return f(x, wg, ab[0], ab[1], wu, ab[2], ab[3], wd, ab[4], ab[5], scale_gate=2.0, scale_up=0.5,
+                 scale_down=1.0)
+
+    def mlp_pieces(_f):
+        # the gated MLP's activation pieces, as a node traced by dynamo would call them
+        outs = ()
+        for act in ("silu", "gelu_tanh"):
+            pieces = ops._piece(backend, "mlp_act")(act)
+            g, u = torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)
+            step = pieces["act_bwd"](torch.randn(3, 16), g.detach().clone(), u.detach().clone())
+            outs += (pieces["act"](g, u), *(t.requires_grad_() for t in step))
+        return outs
+
+    kernels["lora_qkv"], kernels["lora_mlp"], kernels["mlp_act"] = lora_qkv, lora_mlp, mlp_pieces
+    import unittest.mock
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "forge":
+                calls.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    # the functional APIs as dynamo sees them (is_compiling() forced on), run eagerly: what they
+    # hand each op is recorded, forward and backward
+    for key, make in kernels.items():
+        fn = ops.get(key, backend) if key != "mlp_act" else None
+        with unittest.mock.patch("torch.compiler.is_compiling", lambda: True), \
+                unittest.mock.patch("forge_triton._ops._compiling", lambda: True), Record():
+            outs = make(fn)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            sum(o.float().sum() for o in outs).backward()
+    return calls
+
+
+def _detach(a, grad):
+    if isinstance(a, torch.Tensor):
+        t = a.detach().clone()
+        return t.requires_grad_() if grad and t.is_floating_point() else t
+    if isinstance(a, list | tuple):
+        return type(a)(_detach(x, grad) for x in a)
+    return a
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_every_op(backend):
+    # every op of the backend, as the functional APIs call it (forward ops with inputs that
+    # require grad: their autograd is checked too), through torch.library.opcheck
+    need(backend)
+    calls = _opcheck_cases(backend)
+    from forge.ops import library
+
+    names = set(library.op_names(backend))
+    names |= {f"forge::{backend}_{k}_{p}" for k in ("gated_mlp", "fused_linear_ce") for p in ("fwd", "bwd")}
+    seen = {}
+    for func, args, kwargs in calls:
+        seen.setdefault(func.name(), (func, args, kwargs))
+    assert names <= seen.keys(), f"ops never called: {sorted(names - seen.keys())}"
+    for name, (func, args, kwargs) in sorted(seen.items()):
+        # inputs that require grad for forward ops with a backward (their autograd is checked)
+        grad = name.endswith("_fwd") and hasattr(torch.ops.forge, name.split("::")[1].removesuffix("_fwd") + "_bwd")
+        torch.library.opcheck(func, _detach(args, grad), _detach(kwargs, grad))

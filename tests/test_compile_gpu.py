@@ -1,0 +1,96 @@
+"""torch.compile with inductor over patched models on a GPU (run with ``pytest -m gpu``): per
+architecture and backend, fullgraph compile of a training step (labels through the fused loss)
+matching the eager patched model, no recompile across steps at a fixed shape, one compile for
+varying sequence lengths with ``dynamic=True``, and ``mode="reduce-overhead"`` (CUDA graphs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import forge
+from forge import ops
+from forge.__main__ import build_model
+from forge.patching import arch as arch_table
+from forge.spec import tolerance
+
+pytestmark = pytest.mark.gpu
+BACKENDS = ops.BACKENDS
+ARCHS = arch_table.SUPPORTED
+
+
+def need(backend):
+    ok, why = ops.availability(backend)
+    if not ok:
+        pytest.skip(why)
+
+
+def _step(m, model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss = m(ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _model(model_type, backend, s=128):
+    model = build_model(model_type, "qwen05b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, s), generator=g).cuda()
+    forge.patch(model, backend=backend, min_elements=0)
+    return model, ids, ids.clone()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_inductor_fullgraph_no_recompile(model_type, backend):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    need(backend)
+    torch._dynamo.reset()
+    model, ids, labels = _model(model_type, backend)
+    explained = torch._dynamo.explain(model)(ids, labels=labels)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    want_loss, want = _step(model, model, ids, labels)
+    cnt = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=cnt, fullgraph=True)
+    got_loss, got = _step(compiled, model, ids, labels)
+    k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
+    bound = 4 * tolerance.atol(torch.bfloat16, k)  # inductor fuses torch's ops around the kernels
+    assert tolerance.rel_err(got_loss, want_loss) <= bound
+    for n in want:
+        assert tolerance.rel_err(got[n], want[n]) <= bound, n
+    frames = cnt.frame_count
+    for _ in range(2):
+        _step(compiled, model, ids, labels)
+    assert cnt.frame_count == frames, "recompiled at a fixed shape"
+    model.eval()
+    with torch.no_grad():
+        torch.compile(model, fullgraph=True)(ids)
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
+def test_dynamic_one_compile_for_varying_lengths(model_type, backend):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    need(backend)
+    torch._dynamo.reset()
+    model, ids, labels = _model(model_type, backend, s=256)
+    cnt = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=cnt, fullgraph=True, dynamic=True)
+    for s in (64, 96, 200):
+        _step(compiled, model, ids[:, :s], labels[:, :s])
+    assert cnt.frame_count == 1, f"{cnt.frame_count} compiles for 3 sequence lengths"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_overhead(backend):
+    need(backend)
+    torch._dynamo.reset()
+    model, ids, labels = _model("qwen2", backend)
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            got = compiled(ids).logits
+    assert tolerance.rel_err(got, want) <= 4 * tolerance.atol(torch.bfloat16, model.config.hidden_size)
