@@ -12,6 +12,9 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# DEADLINE (seconds, optional): start no further item once this much wall time has passed
+start=$SECONDS
+late() { [ -n "${DEADLINE:-}" ] && [ $((SECONDS - start)) -ge "$DEADLINE" ] && echo "skipped (past DEADLINE): $1"; }
 python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout 240" || PT=""
 # one test file per line of $TESTS, optionally followed by its own pytest arguments in shell
 # syntax (-k "pallas or generate"); each line gets its own time limit, so one slow file cannot
@@ -19,16 +22,20 @@ python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout 240" || PT=""
 i=0
 while read -r t extra; do
   [ -z "$t" ] && continue
+  tmo=${TEST_TIMEOUT:-300}
+  case "$t" in @*) tmo=${t#@}; read -r t extra <<< "$extra";; esac  # "@120 tests/x.py ...": its own limit
+  late "$t $extra" && continue
   i=$((i + 1))
   name=$(basename "$t" .py)-$i
   eval "set -- $extra"
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest "$t" -q -p no:cacheprovider $PT -rfE --tb=short \
+  timeout "$tmo" python3 -m pytest "$t" -q -p no:cacheprovider $PT -rfE --tb=short \
     ${PYTEST_ARGS:-} "$@" > "$OUT/pytest-$name.log" 2>&1 < /dev/null
   echo "$t $extra: rc=$? $(grep -E '(passed|failed|skipped)' "$OUT/pytest-$name.log" | tail -1)"
   grep -E "^FAILED|^ERROR" "$OUT/pytest-$name.log" | head -10
 done <<< "${TESTS:-}"
 while IFS= read -r cmd; do
   [ -z "$cmd" ] && continue
+  late "$cmd" && continue
   echo "== $cmd"
   timeout "${BENCH_TIMEOUT:-150}" bash -c "$cmd" 2>&1 < /dev/null | tail -40  # (no progress bars off a terminal)
 done <<< "${BENCHES:-}"
