@@ -226,7 +226,8 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         out_type = output_types[0]
         if "use_cache" in named and "use_cache" not in a:
             model_kwargs["use_cache"] = False  # a loss without logits has no use for a KV cache
-            out_type = output_types[_eager_builds_cache(decoder)]
+            # (a conditional, not output_types[bool]: dynamo in torch 2.11 refuses a bool index)
+            out_type = output_types[1] if _eager_builds_cache(decoder) else output_types[0]
         outputs = decoder(**model_kwargs)
         hidden = outputs.last_hidden_state  # (B, S, H)
         lm = self.lm_head
