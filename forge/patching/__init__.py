@@ -4,7 +4,14 @@
 forwards forge installs); ``patcher`` the Patcher a patch pass records into (and hands to
 ``lora.apply``); ``arch`` the architecture table (data); ``guard`` the guard's statistics;
 ``report`` forge.report and the "forge" logger's messages; ``copying`` how a patched model is
-deep-copied and pickled (the copy comes back patched, on its own statistics).
+deep-copied and pickled (the copy comes back patched, on its own statistics); ``graphs`` the
+CUDA graphs around the decoder layers; ``decode`` and ``decode_runtime`` captured decoding for
+generate() (when and which cache; the capture and replay).
+
+Layer: the top one. It may import everything below (``forge.ops``, which hands out the kernels
+in their spec signatures, ``forge.spec``, ``forge.errors``, ``forge._runtime``) but reaches a
+backend only through ``forge.ops`` (the bridge's native-launch availability excepted, read where
+a decision depends on it). Nothing below imports it (``tests/test_layers.py``).
 """
 from .core import guard_stats, patch, unpatch
 from .guard import GuardStats
