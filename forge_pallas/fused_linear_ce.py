@@ -14,7 +14,7 @@ once after it with its own static width. With ``chunk_rows`` the row-chunk strat
 instead (``_flce_rows``: eager's three products per chunk of rows, all columns at once; the
 logits and grad_h products XLA's, grad_W's update the Pallas kernel ``_gw_accumulate``, in
 place). Gradients come out of the forward unscaled (the loss is a scalar); the caller scales
-them by the loss's cotangent (bridge/fused_linear_ce.py hands them to forge._precomputed, which
+them by the loss's cotangent (bridge/fused_linear_ce.py hands them to forge.ops.precomputed, which
 does it in place on the torch side). Pure JAX, no torch.
 """
 from __future__ import annotations

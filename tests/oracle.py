@@ -11,6 +11,17 @@ import torch
 from forge.spec import tolerance
 
 
+def need_backend(backend: str) -> None:
+    """Skip the calling test, with the registry's reason, where ``backend`` cannot run here."""
+    import pytest
+
+    from forge import ops
+
+    ok, why = ops.availability(backend)
+    if not ok:
+        pytest.skip(why)
+
+
 def _as_tuple(x):
     return tuple(x) if isinstance(x, tuple | list) else (x,)
 

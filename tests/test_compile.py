@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 import forge  # noqa: E402
 from forge import ops  # noqa: E402
+from oracle import need_backend  # noqa: E402
 from forge.__main__ import build_model  # noqa: E402
 from forge.patching import arch as arch_table  # noqa: E402
 from forge.spec import tolerance  # noqa: E402
@@ -26,10 +27,6 @@ BACKENDS = ops.BACKENDS
 ARCHS = arch_table.SUPPORTED
 
 
-def need(backend):
-    ok, why = ops.availability(backend)
-    if not ok:
-        pytest.skip(why)
 
 
 def _batch(model, b=2, s=8, seed=3):
@@ -59,7 +56,7 @@ def _close(name, got, want, k):
 def test_fullgraph_compile_train_and_infer(model_type, backend):
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    need(backend)
+    need_backend(backend)
     torch._dynamo.reset()
     model = build_model(model_type, num_hidden_layers=1)
     ids, labels = _batch(model)
@@ -176,7 +173,7 @@ def _detach(a, grad):
 def test_opcheck_every_op(backend):
     # every op of the backend, as the functional APIs call it (forward ops with inputs that
     # require grad: their autograd is checked too), through torch.library.opcheck
-    need(backend)
+    need_backend(backend)
     calls = _opcheck_cases(backend)
     from forge.ops import library
 

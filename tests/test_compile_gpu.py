@@ -9,6 +9,7 @@ import torch
 
 import forge
 from forge import ops
+from oracle import need_backend
 from forge.__main__ import build_model
 from forge.patching import arch as arch_table
 from forge.spec import tolerance
@@ -18,10 +19,6 @@ BACKENDS = ops.BACKENDS
 ARCHS = arch_table.SUPPORTED
 
 
-def need(backend):
-    ok, why = ops.availability(backend)
-    if not ok:
-        pytest.skip(why)
 
 
 def _step(m, model, ids, labels):
@@ -44,7 +41,7 @@ def _model(model_type, backend, s=128):
 def test_inductor_fullgraph_no_recompile(model_type, backend):
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    need(backend)
+    need_backend(backend)
     torch._dynamo.reset()
     model, ids, labels = _model(model_type, backend)
     explained = torch._dynamo.explain(model)(ids, labels=labels)
@@ -72,7 +69,7 @@ def test_inductor_fullgraph_no_recompile(model_type, backend):
 def test_dynamic_one_compile_for_varying_lengths(model_type, backend):
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    need(backend)
+    need_backend(backend)
     torch._dynamo.reset()
     model, ids, labels = _model(model_type, backend, s=256)
     cnt = CompileCounterWithBackend("inductor")
@@ -84,7 +81,7 @@ def test_dynamic_one_compile_for_varying_lengths(model_type, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reduce_overhead(backend):
-    need(backend)
+    need_backend(backend)
     torch._dynamo.reset()
     model, ids, labels = _model("qwen2", backend)
     model.eval()

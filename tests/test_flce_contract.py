@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import forge  # noqa: E402
 from forge import ops  # noqa: E402
+from oracle import need_backend  # noqa: E402
 from forge.__main__ import build_model  # noqa: E402
 from forge.patching import arch as arch_table  # noqa: E402
 from forge.spec import fused_linear_ce as spec  # noqa: E402
@@ -32,16 +33,12 @@ BACKENDS = ops.BACKENDS
 V = 10  # the kernel-level vocabulary
 
 
-def need(backend):
-    ok, why = ops.availability(backend)
-    if not ok:
-        pytest.skip(why)
 
 
 def loss_fn(backend):
     if backend == "reference":
         return spec.reference
-    need(backend)
+    need_backend(backend)
     return ops.get("fused_linear_ce", backend)
 
 
@@ -101,7 +98,7 @@ def test_patched_model_rejects_bad_labels_as_eager(backend):
         model(ids, labels=too_big)
     with pytest.raises(RuntimeError):
         model(ids, labels=labels.int())
-    need(backend)
+    need_backend(backend)
     forge.patch(model, backend=backend, kernels=["fused_linear_ce"])
     decoder_calls = []
     model.model.register_forward_pre_hook(lambda *_: decoder_calls.append(1))
@@ -139,7 +136,7 @@ def test_return_dict_false_matches_eager_positions(model_type, backend):
         return got
 
     eager = outputs()
-    need(backend)
+    need_backend(backend)
     forge.patch(model, backend=backend, kernels=["fused_linear_ce"])
     patched = outputs()
     assert model._forge_guard_stats.fused("fused_linear_ce") == len(cases)
@@ -185,7 +182,7 @@ print("NO ASSERT", flush=True)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad", [1000, -5])
 def test_out_of_range_label_device_assert_without_sync(backend, bad):
-    need(backend)
+    need_backend(backend)
     code = textwrap.dedent(_CHILD).format(backend=backend, bad=bad)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=540, cwd=root,

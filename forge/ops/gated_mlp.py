@@ -20,7 +20,7 @@ reading overwritten activations.
 Under torch.compile the node is one op pair, ``torch.ops.forge.<backend>_gated_mlp_fwd`` /
 ``_bwd`` (registered through forge.ops.library by :class:`NodeAdaptor`): the same products and
 pieces, the backward step into fresh tensors (an op may not write over its inputs), the fakes
-from the shapes. Imports torch and forge.spec only (never a backend).
+from the shapes. Imports torch, forge.spec and its sibling _adaptor only (never a backend).
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from ._adaptor import NodeAdaptorBase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,21 +118,14 @@ class _Def:
 DEF = _Def()
 
 
-class NodeAdaptor:
+class NodeAdaptor(NodeAdaptorBase):
     """The gated MLP of one backend as forge.ops.library ops (see forge.ops.library for the
     adaptor's functions). ``ops_for(act) -> ActOps``: the backend's pieces."""
 
+    DEF = DEF
+
     def __init__(self, ops_for):
         self.ops_for = ops_for
-
-    def install(self, traced):
-        self.traced = traced
-
-    def kernels(self):
-        return [DEF]
-
-    def op_name(self, kdef):
-        return kdef.name
 
     def input_names(self, kdef, n):
         return kdef.names
@@ -140,15 +135,6 @@ class NodeAdaptor:
 
     def saved_present(self, kdef, present):
         return tuple(present)
-
-    def has_bwd(self, kdef):
-        return True
-
-    def inductor(self, kdef):
-        return False
-
-    def wrapped(self, body):
-        return body
 
     def run_fwd(self, kdef, tensors, static):
         x, w_gate, w_up, w_down = tensors

@@ -21,11 +21,13 @@ need_b)`` and optionally a one-pass scaling kernel ``scale(g, c)`` (returns None
 not apply). Under torch.compile the node is one op pair, ``torch.ops.forge.<backend>_fused_linear_ce_fwd``
 / ``_bwd`` (:class:`NodeAdaptor`): the backward scales copies of the gradients (an op may not
 write over its inputs), so a compiled step holds each gradient twice for a moment. Imports
-torch only (never a backend).
+torch and its sibling _adaptor only (never a backend).
 """
 from __future__ import annotations
 
 import torch
+
+from ._adaptor import NodeAdaptorBase
 
 __all__ = ["apply", "scale_"]
 
@@ -142,22 +144,15 @@ class _Def:
 DEF = _Def()
 
 
-class NodeAdaptor:
+class NodeAdaptor(NodeAdaptorBase):
     """The fused loss of one backend as forge.ops.library ops: ``compute`` is the backend's
     piece, ``one_pass`` its scaling kernel (or None). Static: the backend's options plus
     ``need`` (which of grad_h, grad_W, grad_b the forward forms, decided while tracing)."""
 
+    DEF = DEF
+
     def __init__(self, compute, one_pass):
         self.compute, self.one_pass = compute, one_pass
-
-    def install(self, traced):
-        self.traced = traced
-
-    def kernels(self):
-        return [DEF]
-
-    def op_name(self, kdef):
-        return kdef.name
 
     def input_names(self, kdef, n):
         return kdef.names[:n]
@@ -167,15 +162,6 @@ class NodeAdaptor:
 
     def saved_present(self, kdef, present):
         return tuple(False for _ in present)  # the backward reads only the forward's gradients
-
-    def has_bwd(self, kdef):
-        return True
-
-    def inductor(self, kdef):
-        return False
-
-    def wrapped(self, body):
-        return body
 
     def run_fwd(self, kdef, tensors, static):
         static = dict(static)
