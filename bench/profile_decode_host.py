@@ -145,11 +145,17 @@ class HostTimer:
 
 
 def _graph_device_us(model, dev, n=50):
+    """Device time of one replayed decoding step: n back-to-back replays of the last call's graph
+    from cache position 0 (each replay writes one position; the next call resets the cache)."""
     d = getattr(getattr(model, "_forge_graphs", None), "decode", None)
-    steps = [s for slot in (d.slots.values() if d else ()) for s in slot.steps.values()]
-    if dev.type != "cuda" or not steps:
+    slots = [slot for slot in (d.slots.values() if d else ()) if slot.steps]
+    if dev.type != "cuda" or not slots:
         return None
-    g = steps[-1].graph  # replays advance the cache counter of a finished call: harmless, it is reset next call
+    slot = slots[-1]
+    g = next(iter(slot.steps.values())).graph
+    n = min(n, slot.capacity - 2)
+    for ly in slot.cache.layers:
+        ly.cumulative_length.zero_()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.replay()
     start.record()
@@ -196,8 +202,9 @@ def run_case(model, variant, ids, kw, dev, reps):
         return res
     finally:
         forge.unpatch(model)
-        for name in ("_compiled_call", "_previous_max_cache_length"):
+        for name in ("_compiled_call", "_previous_max_cache_length"):  # each case compiles afresh
             model.__dict__.pop(name, None)
+        torch._dynamo.reset()
 
 
 def main(argv=None):
@@ -230,7 +237,9 @@ def main(argv=None):
     vocab = model.config.vocab_size
     import transformers
 
-    print(f"# {a.model} layers={model.config.num_hidden_layers} vocab={vocab} {dtype} {dev} transformers {transformers.__version__} "
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (no-op replay)"
+    print(f"# {a.model} layers={model.config.num_hidden_layers} vocab={vocab} {dtype} {where} "
+          f"transformers {transformers.__version__} "
           f"torch {torch.__version__} prompt {a.prompt} new {a.new} {'sampling' if a.sample else 'greedy'}"
           f"{' left-padded' if a.pad else ''}; host us per decoding step")
     print(f"{'batch':>5} {'variant':<17} {'step':>7} " + " ".join(f"{k:>14}" for k in PARTS + ("rest",))

@@ -140,6 +140,17 @@ def test_bench_generate_quick(tmp_path):
     assert len(list(tmp_path.glob("bench_generate*.png"))) == (importlib.util.find_spec("matplotlib") is not None)
 
 
+def test_profile_decode_host_cpu(tmp_path):
+    # a no-op replay on the CPU: the host time of generate's loop per decoding step, split
+    out = _run("profile_decode_host.py", ["--device", "cpu", "--model", "tiny", "--batches", "2", "--prompt", "8",
+                                          "--new", "12", "--reps", "1", "--pad"], tmp_path, out=False)
+    row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("2 forge graphs"))
+    # batch, the variant (2 words), the step, its 6 parts and the rest, the graph's device time, the call
+    assert len(row) == 13 and float(row[3]) > 0 and row[11] == "-", out
+    # three calls of 11 decoding steps: after the capture (the third) forge prepared every step
+    assert "'decode_captures': 1" in out and "'prepared': 30" in out, out
+
+
 def test_results_overwrite_latest_and_append_history(tmp_path, monkeypatch):
     """A re-run of a case replaces its result files and adds a history row; bench/record.py
     copies results made elsewhere into a results folder the same way."""

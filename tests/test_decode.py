@@ -19,6 +19,7 @@ from forge import _runtime
 _runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
 
 import copy  # noqa: E402
+import inspect  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -63,10 +64,10 @@ def fake_graphs(monkeypatch):
     monkeypatch.setattr(decode, "BUCKET", 8)  # small caches: growth shows at tiny lengths
 
 
-def _model(model_type, shape="cpu", dtype=torch.float32, device="cpu", **kw):
+def _model(model_type, shape="cpu", dtype=torch.float32, device="cpu", attn=None, **kw):
     if model_type == "gemma2":
         kw.setdefault("sliding_window", 6)  # a window filled within the test: its uncaptured steps run too
-    attn = "eager" if model_type == "gemma2" else "sdpa"  # transformers 5.24 refuses sdpa for gemma2
+    attn = attn or ("eager" if model_type == "gemma2" else "sdpa")  # transformers 5.24 refuses sdpa for gemma2
     return build_model(model_type, shape, dtype=dtype, device=device, attn_implementation=attn, **kw).eval()
 
 
@@ -192,6 +193,133 @@ def test_sampling_with_a_seed(fake_graphs):
     assert (top == seq[:, 5:, None]).any(-1).all()
 
 
+@pytest.mark.parametrize("model_type,attn", [("qwen2", "sdpa"), ("qwen3", "sdpa"), ("gemma", "sdpa"),
+                                             ("qwen2", "eager")])
+def test_prepared_steps_equal_unpatched_generate(model_type, attn, fake_graphs):
+    # once a step's graph builds its masks from the 2-D mask (checked against transformers' masks
+    # while the step ran uncaptured), forge prepares the decoding steps' inputs: no 4-D masks
+    model = _model(model_type, attn=attn)
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    st, d = model._forge_graphs.stats, model._forge_graphs.decode
+    ids, mask = _prompt(model, 3, 5, "cpu")
+    new = 7
+    # padded; no padding (transformers 5.24 then drops the 2-D mask: a second kind of step); padded
+    for m in (mask, torch.ones_like(mask), mask):
+        kw = dict(attention_mask=m, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            got, want = model.generate(ids, **kw), eager_model.generate(ids, **kw)
+        assert torch.equal(got, want), (m, got, want)
+    steps = 3 * (new - 1)  # the first token of each call comes from the prefill
+    assert st.decode_captures == 1 and st.decode_replayed == steps - decode_runtime.WARMUP, st
+    slot = d.slots[3]
+    (sig, form), = slot.forms.items()
+    assert form is not None and form.dtype == (torch.bool if attn == "sdpa" else torch.float32), slot.forms
+    # the warm-up steps and the capture ran transformers' prepare; each later step forge's, but
+    # for the first step of the second kind
+    assert steps - decode_runtime.WARMUP - 2 <= d.prepared <= steps - decode_runtime.WARMUP - 1, d.prepared
+    assert set(slot.fast.values()) == {slot.steps[sig]}
+
+
+def test_prepared_steps_sample_as_unpatched_generate(fake_graphs):
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 4, 6, "cpu")
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=0.7, top_k=20, top_p=0.9,
+              pad_token_id=0)
+    for seed in (11, 12):
+        with torch.no_grad():
+            torch.manual_seed(seed)
+            got = model.generate(ids, **kw)
+            torch.manual_seed(seed)
+            want = eager_model.generate(ids, **kw)
+        assert torch.equal(got, want), (seed, got, want)
+    assert model._forge_graphs.decode.prepared == 2 * 9 - decode_runtime.WARMUP - 1
+
+
+def test_prepared_steps_fall_back_to_transformers_inputs(fake_graphs):
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 2, 5, "cpu")
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    st, d = model._forge_graphs.stats, model._forge_graphs.decode
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = eager_model.generate(ids, **kw)
+        assert torch.equal(model.generate(ids, **kw), want)
+        prepared, replayed = d.prepared, st.decode_replayed
+        # a forward pre-hook on the model itself would see forge's marker: transformers prepares
+        # the inputs, and the captured step (which builds its masks) replays from its 4-D masks
+        h = model.register_forward_pre_hook(lambda *a: None)
+        assert torch.equal(model.generate(ids, **kw), want)
+        h.remove()
+        assert d.prepared == prepared and st.decode_replayed == replayed + 5, st
+        # a StepMask reaching a forward that is no step of the call in flight: the masks it stands
+        # for (those transformers would build), then the forward as usual
+        slot = d.slots[2]
+        step = next(iter(slot.fast.values()))
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        start = [ly.cumulative_length.clone() for ly in slot.cache.layers]
+        x, pos = want[:, -1:], torch.full((2, 1), 9)
+        outs = []
+        for m in (decode.StepMask(slot, step, mask[:, :4]), slot.build(step.form)):
+            for ly, n in zip(slot.cache.layers, start):
+                ly.cumulative_length.copy_(n)
+            outs.append(model(input_ids=x, position_ids=pos, attention_mask=m, **{name: slot.cache}).logits)
+        assert torch.equal(*outs)
+
+
+def test_someone_elses_prepare_inputs_is_left_alone(fake_graphs):
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 2, 5, "cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        theirs = model.prepare_inputs_for_generation  # another library's instance attribute
+        model.prepare_inputs_for_generation = theirs
+        forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+        assert model.__dict__["prepare_inputs_for_generation"] is theirs
+        assert torch.equal(model.generate(ids, **kw), want)
+    st, d = model._forge_graphs.stats, model._forge_graphs.decode
+    assert st.decode_replayed == 4 - decode_runtime.WARMUP and d.prepared == 0, st  # replays, 4-D masks given
+    forge.unpatch(model)
+    assert model.__dict__["prepare_inputs_for_generation"] is theirs
+
+
+def test_masks_built_in_the_graph_are_checked_against_transformers():
+    from transformers import StaticCache
+
+    model = _model("qwen2")
+    slot = decode_runtime.CachedSteps(StaticCache(config=model.config, max_cache_len=8), 2, 8)
+    assert slot.buildable
+    for ly in slot.cache.layers:
+        ly.cumulative_length.fill_(5)  # the new token goes to position 5
+    mask2d = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    want = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)[:, None, None, :]
+    low = torch.finfo(torch.float32).min
+    as_float = torch.where(want, 0.0, low)
+    for sig, mask, keys in ((1, {"full_attention": want}, ("full_attention",)), (2, want, None), (3, as_float, None)):
+        slot.check(sig, mask, mask2d)
+        form = slot.forms[sig]
+        assert form is not None and form.keys == keys and form.dtype == (as_float.dtype if sig == 3 else torch.bool)
+        built = slot.build(form)
+        assert torch.equal(built["full_attention"], want) if keys else torch.equal(built, mask)
+        slot.check(sig, mask, False)  # the 2-D mask not known: checked against the masks' own row
+        assert slot.forms[sig] == form
+    slot.check(2, want, None)  # no 2-D mask means no padding: these masks are not that
+    assert slot.forms[2] is None
+    slot.check(2, want, mask2d)  # and a signature that failed once keeps the given form
+    assert slot.forms[2] is None
+    # anything else (a window, a per-head mask, another width, two different masks) is refused
+    window = want.clone()
+    window[..., :3] = False
+    for sig, mask in ((4, window), (5, want.expand(2, 4, 1, 8)), (6, want[..., :6]),
+                      (7, {"full_attention": want, "sliding_attention": window})):
+        slot.check(sig, mask, mask2d)
+        assert slot.forms[sig] is None, sig
+
+
 def test_max_new_tokens_beyond_the_cache_grows_it(fake_graphs):
     model = _model("qwen2")
     ids, mask = _prompt(model, 2, 5, "cpu")
@@ -251,7 +379,8 @@ def test_unpatch_restores_generate():
     kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **kw)
     forge.patch(model, mode="infer", kernels=NONE, graphs=True)
-    taken = {"forward", "generate", "_prepare_cache_for_generation"}
+    taken = set(decode.TAKEN)
+    assert "prepare_inputs_for_generation" in taken
     assert taken <= model.__dict__.keys()
     # no CUDA here: generate runs as before, the reason counted (and the layer graphs count its
     # three decoder passes, a padded mask each)

@@ -14,20 +14,25 @@ them, which frees the graphs and the caches):
   ``model._forge_graphs.stats.why`` as ``"generate: <reason>"`` and generate runs as before;
 - ``forward``: a call with that cache and one new token per sequence is a decoding step: it
   replays the step's graph (``decode_runtime.CachedSteps``); any other call (the prefill, a call
-  outside generate) runs the forward as patched.
+  outside generate) runs the forward as patched;
+- ``prepare_inputs_for_generation``: once a step's graph builds its masks itself (see
+  decode_runtime), a decoding step of the call in flight gets its inputs without the 4-D masks
+  transformers would build on the host: the last token and position ids (views), the cache, and
+  the 2-D padding mask wrapped in a marker the forward recognises, which replays at once; any
+  other call, and every step until then, runs transformers' own.
 
 Static caches are kept between calls, one per batch size (at most ``MAX_CACHES``, least recently
 used dropped), sized to the call's length rounded up to ``BUCKET`` tokens. A later call that
 needs more grows the cache (a new, larger one, captured again); a call needing less than half
 of it gets a new smaller one (every step attends over the whole cache). Nothing is truncated.
 
-The prefill runs uncaptured into the static cache (forge's kernels, as ``graphs=False``): the
-layer graphs take no attention mask and write a DynamicCache, and generate's prefill has a mask
-for a static cache; it is one forward per generate call.
+The prefill runs into a fresh DynamicCache whose keys and values are then copied into the
+static cache (``Decoder._prefill``).
 """
 from __future__ import annotations
 
 import functools
+import logging
 import types
 import weakref
 
@@ -47,7 +52,13 @@ _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_ca
                           "return_dict", "output_attentions", "output_hidden_states"})
 _PREFILL_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                              "return_dict", "cache_position"})
+# what generate passes prepare_inputs_for_generation for a decoding step (5.17 and 5.24, besides
+# the cache): anything more and transformers' own prepare runs
+_PREPARE_KWARGS = frozenset({"next_sequence_length", "attention_mask", "position_ids", "use_cache", "logits_to_keep"})
+NEEDED = ("forward", "generate", "_prepare_cache_for_generation")  # taken over, or no decoding path
+TAKEN = NEEDED + ("prepare_inputs_for_generation",)  # the last where no one else has it on the instance
 _module_mod = nn.modules.module
+log = logging.getLogger("forge")
 
 
 def _capturable(backend) -> bool:
@@ -69,7 +80,7 @@ def why_not(root, backends) -> str | None:
     cls = type(root)
     if not all(callable(getattr(cls, n, None)) for n in ("generate", "_prepare_cache_for_generation")):
         return f"{cls.__name__} has no transformers generate() with _prepare_cache_for_generation"
-    for name in ("forward", "generate", "_prepare_cache_for_generation"):
+    for name in NEEDED:
         if name in root.__dict__:
             return f"{cls.__name__}.{name} is already replaced on the instance (by another library)"
     try:
@@ -80,9 +91,9 @@ def why_not(root, backends) -> str | None:
 
 
 def install(root, graphs, p):
-    """Take over ``root``'s generate, _prepare_cache_for_generation and forward (records in
-    ``p``, restored by unpatch); returns the Decoder, or None with the reason in
-    ``_forge_skipped["decode"]``."""
+    """Take over ``root``'s generate, _prepare_cache_for_generation, prepare_inputs_for_generation
+    and forward (records in ``p``, restored by unpatch); returns the Decoder, or None with the
+    reason in ``_forge_skipped["decode"]``."""
     why = why_not(root, p.backends())
     if why is not None:
         p.skip("decode", why)
@@ -107,10 +118,38 @@ def install(root, graphs, p):
         d.offer(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, given)
         return out
 
+    @functools.wraps(cls.prepare_inputs_for_generation)
+    def prepare_inputs(self, *args, **kwargs):
+        return d.prepare(self, args, kwargs)
+
     p.replace_forward(root, "decode", types.MethodType(forward, root))
     p.replace_method(root, "generate", types.MethodType(generate, root))
     p.replace_method(root, "_prepare_cache_for_generation", types.MethodType(prepare_cache, root))
+    if "prepare_inputs_for_generation" in root.__dict__:  # someone else's: transformers' masks every step
+        d.servable = False
+        log.info("forge decode: %s.prepare_inputs_for_generation is replaced on the instance: decoding steps "
+                 "replay with the 4-D masks generate builds", cls.__name__)
+    else:
+        p.replace_method(root, "prepare_inputs_for_generation", types.MethodType(prepare_inputs, root))
     return d
+
+
+class StepMask:
+    """What ``Decoder.prepare`` hands the forward as ``attention_mask`` for a decoding step it
+    served: the step to replay and the 2-D padding mask (None: no padding) its graph builds the
+    masks from. Only forge's forward sees it."""
+
+    __slots__ = ("slot", "step", "mask2d")
+
+    def __init__(self, slot, step, mask2d):
+        self.slot, self.step, self.mask2d = slot, step, mask2d
+
+    def masks(self):
+        """The masks transformers would have built (checked equal before the step was captured)."""
+        if self.step.form is None:
+            return None  # a step captured with no mask: the model builds its own
+        self.slot.load_keep(self.mask2d)
+        return self.slot.build(self.step.form)
 
 
 class Decoder:
@@ -124,8 +163,22 @@ class Decoder:
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
         self.cache_name = None
+        self.device = None  # the model's, for the call in flight
         self.prefills = 0  # prompts run into a DynamicCache and copied into the static one
+        self.prepared = 0  # decoding steps whose inputs forge prepared (no 4-D masks on the host)
+        self.pending = None  # (input_ids handed to the forward, the 2-D mask, prepare's key): the
+        # decoding step transformers' prepare just ran for, whose masks the forward may check
         self._mods = list(root.modules())
+        cls = type(root)
+        # transformers' own input preparation and updates (a model class may override them)
+        from transformers.generation.utils import GenerationMixin
+
+        self.servable = (cls.prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
+                         and cls._update_model_kwargs_for_generation
+                         is GenerationMixin._update_model_kwargs_for_generation
+                         and getattr(cls, "create_masks_for_generate", None) is None
+                         and not root.config.is_encoder_decoder
+                         and not (getattr(root, "is_remote_code", None) and root.is_remote_code()))
 
     # -- generate() ----------------------------------------------------------------------------
     def generate(self, model, args, kwargs):
@@ -135,7 +188,7 @@ class Decoder:
         try:
             return type(model).generate(model, *args, **kwargs)
         finally:
-            self.armed, self.slot, self.cache_name = False, None, None
+            self.armed, self.slot, self.cache_name, self.pending = False, None, None, None
 
     def offer(self, model, cfg, model_kwargs, mode, batch_size, max_cache_length, given):
         if model is not self.root or not self.armed or self.slot is not None:
@@ -152,7 +205,7 @@ class Decoder:
         slot.reset()
         model_kwargs[name] = slot.cache
         cfg.disable_compile = True  # generate's own config copy: no torch.compile of the forward
-        self.slot, self.cache_name = slot, name
+        self.slot, self.cache_name, self.device = slot, name, model.device
 
     def _why_not(self, cfg, model_kwargs, mode, given):
         if given:
@@ -210,11 +263,70 @@ class Decoder:
         self.slots[batch] = slot  # most recently used last
         return slot
 
+    # -- prepare_inputs_for_generation() ------------------------------------------------------
+    def prepare(self, model, args, kwargs):
+        """A decoding step's inputs: without its 4-D masks (a StepMask in their place) where a
+        graph that builds them serves this kind of step; else transformers' own (for a decoding
+        step of the call in flight, its 2-D mask is kept for the forward, which checks the masks
+        transformers built from it and then lets later such steps come here)."""
+        self.pending = None
+        key = self._prepare_key(model, args, kwargs)
+        if key is None:
+            return type(model).prepare_inputs_for_generation(model, *args, **kwargs)
+        slot, (ids, pos, mask2d) = self.slot, key[-1]
+        key = key[:-1]
+        step = slot.fast.get(key)
+        if step is None:
+            out = type(model).prepare_inputs_for_generation(model, *args, **kwargs)
+            self.pending = (out.get("input_ids"), key, mask2d)  # the forward matches it by the ids
+            return out
+        self.prepared += 1
+        out = {"input_ids": ids[:, -1:], "position_ids": pos[:, -1:], self.cache_name: slot.cache,
+               "attention_mask": StepMask(slot, step, mask2d)}
+        for name in ("use_cache", "logits_to_keep"):
+            if name in kwargs:
+                out[name] = kwargs[name]
+        return out
+
+    def _prepare_key(self, model, args, kwargs):
+        """For a decoding step of the call in flight whose inputs forge may prepare: the kind of
+        step (what a graph serving it depends on) and, last, (ids, position ids, 2-D mask); else
+        None."""
+        slot = self.slot
+        if (slot is None or model is not self.root or not self.servable or not slot.buildable
+                or len(args) != 1 or kwargs.get("next_sequence_length") != 1
+                or kwargs.get(self.cache_name) is not slot.cache
+                or not kwargs.keys() - {self.cache_name} <= _PREPARE_KWARGS or model._forward_pre_hooks):
+            return None
+        ids, pos, mask2d = args[0], kwargs.get("position_ids"), kwargs.get("attention_mask")
+        if (type(ids) is not torch.Tensor or type(pos) is not torch.Tensor or ids.dim() != 2 or pos.dim() != 2
+                or ids.shape[0] != slot.batch or pos.shape[0] != slot.batch or pos.device != ids.device
+                or ids.device != self.device):
+            return None
+        if mask2d is not None and (type(mask2d) is not torch.Tensor or mask2d.dim() != 2
+                                   or mask2d.shape[0] != slot.batch or mask2d.shape[1] > slot.capacity
+                                   or mask2d.device != ids.device):
+            return None
+        return (kwargs.get("logits_to_keep", 0), kwargs.get("use_cache"), ids.dtype, pos.dtype,
+                mask2d is None or mask2d.dtype, getattr(model.config, "_attn_implementation", None),
+                (ids, pos, mask2d))
+
     # -- forward() -----------------------------------------------------------------------------
     def step(self, model, args, kwargs):
         """A decoding step's output (replayed, or run uncaptured with the reason counted), or None
         when the call is not a decoding step of the generate call in flight."""
         slot = self.slot
+        fast = kwargs.get("attention_mask")
+        if type(fast) is StepMask:  # prepared by self.prepare: replay at once
+            if fast.slot is slot and model is self.root and not args:
+                st = fast.step
+                st.ids.copy_(kwargs["input_ids"])
+                st.pos.copy_(kwargs["position_ids"])
+                if st.form is not None:
+                    slot.load_keep(fast.mask2d)
+                return slot.replay(st, self.graphs.stats)
+            kwargs["attention_mask"] = fast.masks()  # (not expected) the masks, and on as usual
+        pending, self.pending = self.pending, None
         if slot is None or model is not self.root or args or kwargs.get(self.cache_name) is not slot.cache:
             return None
         ids = kwargs.get("input_ids")
@@ -224,12 +336,18 @@ class Decoder:
             return self._prefill(model, kwargs, ids, slot)
         g = self.graphs
         sig, why = self._signature(kwargs, ids, slot)
+        # the 2-D mask transformers built this step's masks from, where prepare saw it
+        mask2d = pending[2] if pending is not None and pending[0] is ids else False
         g.paused = True
         try:
             out = None
             if why is None:
-                out, why = slot.run(functools.partial(type(model).forward, model), kwargs, sig, rt.BACKEND, g, g.stats)
+                out, why = slot.run(functools.partial(type(model).forward, model), kwargs, sig, rt.BACKEND, g, g.stats,
+                                    mask2d)
                 if why is None:
+                    st = slot.steps[sig]
+                    if mask2d is not False and (st.form is not None or st.mask is None):
+                        slot.fast[pending[1]] = st  # its masks checked: prepare serves such steps from now on
                     return out
             g.stats.uncaptured += 1
             g.stats.count("decoding step: " + why)

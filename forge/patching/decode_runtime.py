@@ -16,6 +16,16 @@ first ``WARMUP`` steps of a signature run uncaptured (Triton compiles, cuBLAS an
 their kernels), the next one captures and replays. A capture records kernels without running
 them, but Python runs: the cache's Python-side counters are put back after it (and its device
 counters, which a stand-in graph that does run the step, as the CPU tests use, has advanced).
+
+Masks built in the graph. On a cache of full-attention layers only, transformers' 4-D mask for
+one new token at cache position p is, per row b and key j, ``keep[b, j] and j <= p`` (``keep``:
+the 2-D padding mask generate holds; bool for SDPA, 0 / the dtype's lowest for eager; one tensor,
+or the same one under each key of a dict by layer type). A step whose masks were checked equal to
+that (:meth:`CachedSteps.check`, on the uncaptured warm-up steps, against the masks transformers
+built) is captured in the *built* form: the graph computes the masks from a static ``keep``
+buffer and the cache's own position counter, so a replay needs only the 2-D mask copied in, and
+generate need not build 4-D masks at all (``decode.Decoder.prepare``). Otherwise the step is
+captured in the *given* form, with the masks at static addresses, copied in per replay.
 """
 from __future__ import annotations
 
@@ -158,38 +168,142 @@ def mask_signature(mask):
 
 
 class _Step:
-    __slots__ = ("graph", "ids", "pos", "mask", "logits", "template")
+    __slots__ = ("graph", "ids", "pos", "mask", "form", "logits", "template")
+
+
+class MaskForm:
+    """How a step's masks follow from the 2-D padding mask and the cache position (see the module
+    docstring): their dtype, and the dict keys they sit under (None: one tensor)."""
+
+    __slots__ = ("dtype", "keys", "fill")
+
+    def __init__(self, dtype, keys):
+        self.dtype, self.keys = dtype, keys
+        self.fill = None  # (0, lowest) as tensors on the device, for a float mask
+
+    def __eq__(self, other):
+        return isinstance(other, MaskForm) and (self.dtype, self.keys) == (other.dtype, other.keys)
+
+    def __hash__(self):
+        return hash((self.dtype, self.keys))
+
+    @staticmethod
+    def of(mask, batch, capacity):
+        """The form ``mask`` would have if built from a 2-D mask, or None (not one (B, 1, 1, C)
+        tensor of a dtype handled here, nor a dict of such tensors)."""
+        if isinstance(mask, dict):
+            forms = {MaskForm.of(v, batch, capacity) for v in mask.values()}
+            if len(forms) != 1 or None in forms:
+                return None
+            return MaskForm(forms.pop().dtype, tuple(mask))
+        if type(mask) is not torch.Tensor or tuple(mask.shape) != (batch, 1, 1, capacity):
+            return None
+        if mask.dtype is not torch.bool and not mask.dtype.is_floating_point:
+            return None
+        return MaskForm(mask.dtype, None)
 
 
 class CachedSteps:
     """The captured decoding steps on one static cache (one batch size, one capacity)."""
 
     def __init__(self, cache, batch: int, capacity: int):
+        from transformers.cache_utils import StaticLayer
+
         self.cache, self.batch, self.capacity = cache, batch, capacity
         self.filled = False  # the prompt is in the cache (decode.Decoder._prefill)
         self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
+        # masks can be built in the graph only where every layer attends to the whole cache
+        self.buildable = all(type(ly) is StaticLayer for ly in cache.layers)
         self.steps: dict[tuple, _Step] = {}
         self.seen: dict[tuple, int] = {}
         self.failed: dict[tuple, str] = {}
+        self.forms: dict[tuple, MaskForm | None] = {}  # per signature: the checked form; None: it failed
+        self.fast: dict[tuple, _Step] = {}  # decode.Decoder.prepare's key -> the step it replays
+        self.keep = None  # (B, C) bool: the 2-D padding mask, beyond the current length anything
+        self.kv_idx = None  # (C,) long: 0 .. C - 1
+        self.keep_ones = False  # keep holds ones throughout (a call with no 2-D mask)
 
     def reset(self):
         """Empty the cache in place (its tensors keep their addresses: the graphs stay valid)."""
         self.cache.reset()
         self.filled = False
 
+    # -- masks built in the graph ----------------------------------------------------------------
+    def _buffers(self, dev):
+        if self.keep is None:
+            self.keep = torch.ones(self.batch, self.capacity, dtype=torch.bool, device=dev)
+            self.kv_idx = torch.arange(self.capacity, device=dev)
+            self.keep_ones = True
+
+    def load_keep(self, mask2d):
+        """The 2-D padding mask (B, L <= C), or None for no padding, into ``keep``."""
+        if mask2d is None:
+            if not self.keep_ones:
+                self.keep.fill_(True)
+                self.keep_ones = True
+        else:
+            self.keep[:, : mask2d.shape[1]].copy_(mask2d)
+            self.keep_ones = False
+
+    def _keep_from(self, mask, form):
+        """``keep`` from masks of ``form``: the new token's row attends to every key up to its
+        own position that is not padding (the causal part masks the rest anyway)."""
+        row = (next(iter(mask.values())) if form.keys is not None else mask)[:, 0, 0, :]
+        self.keep.copy_(row if form.dtype is torch.bool else row == 0)
+        self.keep_ones = False
+
+    def build(self, form):
+        """The masks of ``form`` for the cache's current position (captured: computed at replay)."""
+        pos = self.cache.layers[0].cumulative_length  # the new token's index, before update() runs
+        allowed = (self.keep & (self.kv_idx <= pos))[:, None, None, :]
+        if form.dtype is torch.bool:
+            mask = allowed
+        else:
+            if form.fill is None:
+                form.fill = (torch.zeros((), dtype=form.dtype, device=allowed.device),
+                             torch.tensor(torch.finfo(form.dtype).min, dtype=form.dtype, device=allowed.device))
+            mask = torch.where(allowed, *form.fill)
+        return mask if form.keys is None else dict.fromkeys(form.keys, mask)
+
+    def matches(self, form, mask, mask2d):
+        """Load ``keep`` from the 2-D mask ``mask2d`` (None: no padding; False: not known, then from
+        the masks' own row) and tell whether :meth:`build` gives ``mask``, the masks transformers
+        built for this step, at the cache's position. Reads the device (a synchronisation)."""
+        if form is None or (isinstance(mask2d, torch.Tensor) and mask2d.shape[1] > self.capacity):
+            return False
+        self._buffers(mask.device if form.keys is None else next(iter(mask.values())).device)
+        if mask2d is False:
+            self._keep_from(mask, form)
+        else:
+            self.load_keep(mask2d)
+        built = self.build(form)
+        pairs = zip(built.values(), mask.values()) if form.keys is not None else [(built, mask)]
+        return all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs)
+
+    def check(self, sig, mask, mask2d):
+        """:meth:`matches` for an uncaptured step of signature ``sig``, the verdict kept: a step
+        captured with every check passed builds its masks (one mismatch: the given form)."""
+        if not self.buildable or self.forms.get(sig, True) is None:
+            return
+        form = MaskForm.of(mask, self.batch, self.capacity)
+        self.forms[sig] = form if self.matches(form, mask, mask2d) else None
+
     def full_window(self) -> bool:
         """A sliding-window layer holds its whole window: transformers' update then rolls the
         window, which runs uncaptured (it builds an index tensor from a Python list per call)."""
         return any(ly.cumulative_length_int >= ly.max_cache_len for ly in self.sliding)
 
-    def run(self, forward, kw, sig, backend, owner, stats):
-        """(output, why): the replayed step's output (a ModelOutput whose logits are the graph's
-        static buffer) and None; a warm-up step's output and why it ran uncaptured; or None and
-        why, for the caller to run the step uncaptured."""
+    def run(self, forward, kw, sig, backend, owner, stats, mask2d=False):
+        """(output, why): the replayed step's output (the step's ModelOutput, whose logits are the
+        graph's static buffer: the same object every replay) and None; a warm-up step's output
+        and why it ran uncaptured; or None and why, for the caller to run the step uncaptured.
+        ``mask2d``: the 2-D mask transformers built this step's masks from (a tensor, or None
+        for none), checked against them before the capture; False: not known."""
         step = self.steps.get(sig)
         if step is None:
             if sig in self.failed:
                 return None, self.failed[sig]
+            self.check(sig, kw["attention_mask"], mask2d)
             n = self.seen.get(sig, 0)
             if n < WARMUP:
                 self.seen[sig] = n + 1
@@ -206,22 +320,31 @@ class CachedSteps:
         else:
             step.ids.copy_(kw["input_ids"])
             step.pos.copy_(kw["position_ids"])
-            _copy_into(step.mask, kw["attention_mask"])
+            if step.form is None:
+                _copy_into(step.mask, kw["attention_mask"])
+            elif not self.matches(step.form, kw["attention_mask"], mask2d):  # (reached without prepare's
+                return None, "masks not of the form the captured step builds"  # StepMask: rare, checked)
+        return self.replay(step, stats), None
+
+    def replay(self, step, stats):
         ints = [(ly, ly.cumulative_length_int) for ly in self.sliding]
         step.graph.replay()
         for ly, n in ints:  # what update() does in Python for one new token
             ly.cumulative_length_int = n + 1
         stats.decode_replayed += 1
-        return type(step.template)(**dict(step.template.items())), None  # a fresh object, the same tensors
+        return step.template
 
     def _capture(self, forward, kw, sig, backend, owner, stats):
         s = _Step()
         s.ids, s.pos = kw["input_ids"].clone(), kw["position_ids"].clone()
-        s.mask = _static(kw["attention_mask"])
+        # checked equal to what build() gives (keep loaded by that check): the graph builds them
+        s.form = self.forms.get(sig)
+        s.mask = _static(kw["attention_mask"]) if s.form is None else None
         held = {}
 
         def fn():
-            out = forward(**{**kw, "input_ids": s.ids, "position_ids": s.pos, "attention_mask": s.mask})
+            mask = s.mask if s.form is None else self.build(s.form)
+            out = forward(**{**kw, "input_ids": s.ids, "position_ids": s.pos, "attention_mask": mask})
             held["out"] = out
             return out.logits
 
