@@ -292,9 +292,9 @@ class Decoder:
         """For a decoding step of the call in flight whose inputs forge may prepare: the kind of
         step (what a graph serving it depends on) and, last, (ids, position ids, 2-D mask); else
         None."""
-        slot = self.slot
+        slot, n = self.slot, kwargs.get("next_sequence_length")
         if (slot is None or model is not self.root or not self.servable or not slot.buildable
-                or len(args) != 1 or kwargs.get("next_sequence_length") != 1
+                or len(args) != 1 or type(n) is not int or n != 1  # (a tensor in 5.24's prefill on a used cache)
                 or kwargs.get(self.cache_name) is not slot.cache
                 or not kwargs.keys() - {self.cache_name} <= _PREPARE_KWARGS or model._forward_pre_hooks):
             return None
