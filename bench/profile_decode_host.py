@@ -6,14 +6,16 @@ forge's step wrapper, and what remains, per generated token.
     python bench/profile_decode_host.py --sample         # temperature / top-k / top-p sampling
 
 Each case runs generate() twice untimed (warm-up, capture or compilation), then times --reps
-calls and shows the fastest (on a shared machine noise only adds). The decoding phase is timed from the second call of ``prepare_inputs_for_generation``
-(the first decoding step; the first is the prefill's) to generate's return, divided by its
-steps (new tokens - 1). Within it, host time is split by wrapping, for that call only:
+calls and shows the fastest (on a shared machine noise only adds). The decoding phase is timed
+from the second call of ``prepare_inputs_for_generation`` (the first decoding step; the first
+call is the prefill's) to generate's return, divided by its steps (new tokens - 1). Within it,
+host time is split by wrapping, for that call only:
 
-- ``prepare_inputs``: the instance's ``prepare_inputs_for_generation`` (4-D masks, slicing);
-- ``forward``: the call generate makes for a step: forge's forward (signature check, copies into
-  the graph's inputs, the replay's launch) or transformers' compiled call, from the inside of
-  ``nn.Module.__call__`` for forge (its own dispatch counts under ``rest``);
+- ``prepare_inputs``: the instance's ``prepare_inputs_for_generation`` (transformers': slicing and
+  the 4-D masks; forge's, once its graph builds the masks: two views and a dict);
+- ``forward``: the call generate makes for a step: forge's forward (the copies into the graph's
+  inputs and the replay's launch), from the inside of ``nn.Module.__call__`` (whose dispatch
+  counts under ``rest``), or transformers' compiled call;
 - ``update_kwargs``: ``_update_model_kwargs_for_generation`` (mask and position ids grown);
 - ``processors``: the logits processors (temperature, top-k, top-p, ...);
 - ``stopping``: the stopping criteria (max length, EOS);
@@ -25,7 +27,8 @@ steps (new tokens - 1). Within it, host time is split by wrapping, for that call
 On a CPU the graph replay is replaced by a no-op (capture runs the step once for its logits
 buffer; a replay launches nothing), so the model's compute does not hide the host work; static +
 compile is GPU only. With ``--device cuda`` the forge case also prints its graph's device time
-per step (50 back-to-back replays). A diagnosis tool: it writes nothing but its printout.
+per step (50 back-to-back replays), and each batch size ends with the two variants' ratio.
+``--pad`` left-pads the first row. A diagnosis tool: it writes nothing but its printout.
 """
 from __future__ import annotations
 
@@ -252,14 +255,19 @@ def main(argv=None):
             mask[0, : a.prompt // 3] = 0
         kw = dict(attention_mask=mask, max_new_tokens=a.new, min_new_tokens=a.new, pad_token_id=0)
         kw.update(dict(do_sample=True, temperature=0.7, top_k=50, top_p=0.9) if a.sample else dict(do_sample=False))
+        steps = {}
         for variant in variants:
             torch.manual_seed(0)
-            r = run_case(model, variant, ids, kw, dev, a.reps)
+            r = steps[variant] = run_case(model, variant, ids, kw, dev, a.reps)
             gd = "-" if r["graph_us"] is None else f"{r['graph_us']:.0f}"
             print(f"{b:>5} {variant:<17} {r['step']:>7.0f} " + " ".join(f"{r[k]:>14.0f}" for k in PARTS + ("rest",))
                   + f" {gd:>9} {r['total_ms']:>8.1f}", flush=True)
             if "stats" in r:
                 print("      stats:", r["stats"])
+        if len(steps) == 2:
+            (n1, r1), (n2, r2) = steps.items()
+            print(f"      batch {b}: {n1} {r1['step']:.0f} us/step, {n2} {r2['step']:.0f} us/step: "
+                  f"{n2} / {n1} = {r2['step'] / r1['step']:.2f}x")
     return 0
 
 
