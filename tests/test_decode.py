@@ -283,6 +283,7 @@ def test_someone_elses_prepare_inputs_is_left_alone(fake_graphs):
         assert torch.equal(model.generate(ids, **kw), want)
     st, d = model._forge_graphs.stats, model._forge_graphs.decode
     assert st.decode_replayed == 4 - decode_runtime.WARMUP and d.prepared == 0, st  # replays, 4-D masks given
+    assert [s.form for s in d.slots[2].steps.values()] == [None]  # captured with the masks as inputs
     forge.unpatch(model)
     assert model.__dict__["prepare_inputs_for_generation"] is theirs
 
@@ -305,12 +306,14 @@ def test_masks_built_in_the_graph_are_checked_against_transformers():
         assert form is not None and form.keys == keys and form.dtype == (as_float.dtype if sig == 3 else torch.bool)
         built = slot.build(form)
         assert torch.equal(built["full_attention"], want) if keys else torch.equal(built, mask)
-        slot.check(sig, mask, False)  # the 2-D mask not known: checked against the masks' own row
-        assert slot.forms[sig] == form
+        # from the masks' own row (a replay reached without forge's prepare): they have the form
+        assert slot.matches(form, mask, False)
     slot.check(2, want, None)  # no 2-D mask means no padding: these masks are not that
     assert slot.forms[2] is None
     slot.check(2, want, mask2d)  # and a signature that failed once keeps the given form
     assert slot.forms[2] is None
+    slot.check(3, as_float, False)  # a step whose 2-D mask was not known: given too
+    assert slot.forms[3] is None
     # anything else (a window, a per-head mask, another width, two different masks) is refused
     window = want.clone()
     window[..., :3] = False

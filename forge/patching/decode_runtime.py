@@ -282,11 +282,13 @@ class CachedSteps:
 
     def check(self, sig, mask, mask2d):
         """:meth:`matches` for an uncaptured step of signature ``sig``, the verdict kept: a step
-        captured with every check passed builds its masks (one mismatch: the given form)."""
+        captured with every check passed builds its masks; one mismatch, or one step whose 2-D
+        mask is not known (decode's prepare did not see it, nor will it serve such steps, which
+        would then pay a check each), and the masks stay given."""
         if not self.buildable or self.forms.get(sig, True) is None:
             return
         form = MaskForm.of(mask, self.batch, self.capacity)
-        self.forms[sig] = form if self.matches(form, mask, mask2d) else None
+        self.forms[sig] = form if mask2d is not False and self.matches(form, mask, mask2d) else None
 
     def full_window(self) -> bool:
         """A sliding-window layer holds its whole window: transformers' update then rolls the
