@@ -51,7 +51,11 @@ import functools
 
 import torch
 
+from forge import _runtime as _forge_runtime
+
 from . import native, runtime
+
+_through_ops = _forge_runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 
 _REGISTRY: dict[str, "KernelDef"] = {}
 
@@ -315,7 +319,7 @@ def apply(kdef: KernelDef, *tensors, **static):
     constants of the JAX functions and part of the cache key. Under torch.compile the call goes
     to the op layer's op for ``kdef`` (see :func:`install`).
     """
-    if _TRACED is not None and torch.compiler.is_compiling():
+    if _TRACED is not None and _through_ops():
         outs = _TRACED(kdef, tensors, static)
         return outs if len(outs) > 1 else outs[0]
     skey = tuple(static.items())

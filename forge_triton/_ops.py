@@ -10,14 +10,16 @@ autograd.Functions). Under ``torch.compiler.is_compiling()`` the functional wrap
 and ``_bwd``, registered by forge.ops.library when ``forge.ops.get`` first hands out a Triton
 kernel).
 
-This module imports torch only: the op layer installs itself here (:func:`install`), never the
+This module imports torch and forge._runtime only: the op layer installs itself here (:func:`install`), never the
 other way round.
 """
 from __future__ import annotations
 
-import torch
+import torch  # noqa: F401
 
-_compiling = torch.compiler.is_compiling
+from forge import _runtime
+
+_compiling = _runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 
 
 class KernelDef:
