@@ -92,6 +92,32 @@ def test_fullgraph_compile_train_and_infer(model_type, backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["triton"])
+def test_dynamic_lengths_compile_once(backend):
+    # torch.compile(dynamic=True): new sequence lengths reuse the first compile (the Triton ops'
+    # fakes and static arguments hold no length; the RMSNorm eps, which dynamo first makes a
+    # symbolic float, is specialised by the op layer). Pallas's fakes take concrete shapes from
+    # JAX, so with Pallas each length compiles again (docs/design.md).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    need_backend(backend)
+    torch._dynamo.reset()
+    model = build_model("qwen2", num_hidden_layers=1)
+    ids, labels = _batch(model, s=20)
+    forge.patch(model, backend=backend, min_elements=0)
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=cnt, fullgraph=True, dynamic=True)
+    cut = {n: (ids[:, :n].contiguous(), labels[:, :n].contiguous()) for n in (8, 12, 20)}  # as a loader hands them
+    want, _ = _train_step(model, model, *cut[8])
+    got, _ = _train_step(compiled, model, *cut[8])
+    _close("loss", got, want, model.config.vocab_size)
+    frames = cnt.frame_count
+    for n in (12, 20):
+        _train_step(compiled, model, *cut[n])
+    assert cnt.frame_count == frames, f"recompiled for a new length ({cnt.frame_count} > {frames} frames)"
+    torch._dynamo.reset()
+
+
 def _kernel_calls(backend):
     """{kernel key: make(fn) -> output(s)}: a call of each functional API of ``backend`` (and the
     gated MLP's activation pieces, "mlp_act") at small CPU shapes, inputs requiring grad."""
