@@ -29,10 +29,12 @@ LAYOUTS = ("bhsd", "bshd")
 #
 # The kernel sees every tensor with the batch and sequence folded into its leading dimension,
 # so no stride depends on them: "bhsd" as (B H S, D) (row (b H + h) S + s), "bshd" as
-# (B S, H, D) (row b S + s), cos/sin as (B S, D) or (S, D) (``cos_per_batch``). S comes at run
-# time (``seq_ref``), B through the grid size: the lowered module does not depend on the batch or the sequence length.
-def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, qo_ref, ko_ref, *, q_layout, k_layout, q_heads,
-                 k_heads, cos_per_batch, half, block_s, block_h, backward):
+# (B S, H, D) (row b S + s), cos/sin as (B S, D) or (S, D). S and cos's batch count (B or 1) come
+# at run time (``seq_ref``, ``cosb_ref``), B through the grid size: the lowered module depends
+# on neither the batch nor the sequence length, only on the positions per program
+# (``_block_s``, a bucket of B S).
+def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, cosb_ref, qo_ref, ko_ref, *, q_layout, k_layout,
+                 q_heads, k_heads, half, block_s, block_h, backward):
     acc = C.acc_dtype(jnp.promote_types(q_ref.dtype, cos_ref.dtype))
     seq = C.read_rows(seq_ref)
     # one grid axis of B x (position blocks, at least two: see _common.row_programs); the
@@ -40,7 +42,9 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, qo_ref, ko_ref, *, q_l
     nblk = jnp.maximum(jax.lax.div(seq + (block_s - 1), C.i32(block_s)), 2)
     pid = pl.program_id(0)
     b, j = jax.lax.div(pid, nblk), jax.lax.rem(pid, nblk)
-    cb = b if cos_per_batch else 0 * b  # cos one per batch entry, or shared (a traced index)
+    # cos/sin hold one entry per batch entry (B) or one shared by all (1): b mod that count,
+    # read at run time like S (a static choice would lower B = 1 and B > 1 differently)
+    cb = jax.lax.rem(b, C.read_rows(cosb_ref))
     s0 = j * block_s
     smask = s0 + jnp.arange(block_s) < seq  # (BS,)
     mask = smask[:, None] & (jnp.arange(block_h) < half)[None, :]  # (BS, BH)
@@ -79,11 +83,18 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, qo_ref, ko_ref, *, q_l
 _launch = C.triton_call
 
 
-def _block_s(rows, seq, block_h):
-    """Positions per program: enough programs to fill the GPU (about 4 per SM), tiles of at
-    most ~2K values per half. A power of two, so the lowered module changes only where this
-    does: a bucket of B S (docs/pallas-native.md)."""
-    want = C.next_power_of_2(max(1, C.cdiv(rows, 4 * C.num_cores())))
+def _block_s(rows, seq, block_h, sms=None):
+    """Positions per program for ``rows`` = B S positions: enough programs to fill the GPU
+    (about 4 per SM), tiles of at most ~2K values per half, no more than S (rounded up):
+
+        min(next_pow2(ceil(B S / (4 SMs))), next_pow2(S), 2048 / block_h)
+
+    It is the one row-dependent choice in the lowered module, so rope lowers to one module per
+    value of this (a bucket), at most log2(2048 / block_h) + 1 of them: 7 at head dim 64 (1 to
+    64 positions), 6 at 128 (1 to 32). The buckets move with the SM count: with 132 SMs the top
+    one starts at B S = 64 * 528 (docs/pallas-native.md)."""
+    sms = C.num_cores() if sms is None else sms
+    want = C.next_power_of_2(max(1, C.cdiv(rows, 4 * sms)))
     return max(1, min(want, C.next_power_of_2(max(seq, 1)), max(1, 2048 // block_h)))
 
 
@@ -102,14 +113,14 @@ def _rope(q, k, cos, sin, out_dtype, *, q_layout, k_layout, backward):
     heads = {"bhsd": 1, "bshd": 2}
     kernel = functools.partial(_rope_kernel, q_layout=q_layout, k_layout=k_layout,
                                q_heads=q.shape[heads[q_layout]], k_heads=k.shape[heads[k_layout]],
-                               cos_per_batch=cos.shape[0] == bsz, half=half,
+                               half=half,
                                block_s=block_s, block_h=block_h, backward=backward)
     qf, kf = _fold(q, q_layout), _fold(k, k_layout)
     qo, ko = _launch(
         kernel, name="rope_bwd" if backward else "rope_fwd", grid=(bsz * C.row_programs(C.cdiv(seq, block_s)),),
         num_warps=C.warps_for(2 * block_s * block_h) // 2 or 1,
         out_shape=(jax.ShapeDtypeStruct(qf.shape, out_dtype), jax.ShapeDtypeStruct(kf.shape, out_dtype)),
-    )(qf, kf, cos.reshape(-1, d), sin.reshape(-1, d), C.rows_operand(seq))
+    )(qf, kf, cos.reshape(-1, d), sin.reshape(-1, d), C.rows_operand(seq), C.rows_operand(cos.shape[0]))
     return qo.reshape(q.shape), ko.reshape(k.shape)
 
 

@@ -149,9 +149,17 @@ def test_jax_internals_present():
     assert JI.missing() == []
 
 
-def _kernel_passes():
+# SM counts the kernels' launch choices are computed for: the CPU's stand-in
+# (forge_pallas._common.num_cores) and an H100/H200's. The SM count is in rope's bucket (and in
+# RMSNorm's backward grid): the H200 run of the first version of these tests found rope cases
+# that shared a bucket with 4 SMs but not with 132.
+SMS = (4, 132)
+
+
+def _kernel_passes(sms: int = SMS[0]):
     """Per kernel pass: (fn, rows -> positional avals, the row counts whose lowered modules must
-    be identical). Rows are the leading dimension (tokens); rope's are (batch, sequence)."""
+    be identical) on a GPU of ``sms`` SMs. Rows are the leading dimension (tokens); rope's are
+    (batch, sequence, cos's batch)."""
     import functools
 
     import jax
@@ -177,8 +185,15 @@ def _kernel_passes():
     rope_kw = dict(q_layout="bhsd", k_layout="bshd", in_dtype="bfloat16")
 
     def rope_avals(bs):
-        b, s = bs
-        return (a(b, 14, s, 64), a(b, s, 2, 64), a(b, s, 64), a(b, s, 64))
+        b, s, cb = bs
+        return (a(b, 14, s, 64), a(b, s, 2, 64), a(cb, s, 64), a(cb, s, 64))
+
+    # rope: positions per program are a bucket of B S (rope._block_s, docs/pallas-native.md);
+    # these all fall in the top one (B S >= 64 * 4 * SMs, S >= 64 with D = 64), with cos per
+    # batch entry or shared
+    top = 64 * 4 * sms
+    rope_rows = ((1, top, 1), (2, top // 2 + 1, 2), (3, top // 3 + 1000, 1))
+    assert len({rp._block_s(b * s, s, 32, sms) for b, s, _ in rope_rows}) == 1
 
     def rope_bwd_avals(bs):
         q, k, c, s_ = rope_avals(bs)
@@ -199,12 +214,8 @@ def _kernel_passes():
         "geglu_bwd": (glu.geglu_bwd, lambda m: ((a(m, i), a(m, i)), (), (a(m, i),)), rows),
         "swiglu_bwd_act": (functools.partial(glu.glu_bwd_act, kind="swiglu"),
                            lambda m: (a(m, i), a(m, i), a(m, i)), rows),
-        # rope: positions per program are a bucket of B S (docs/pallas-native.md); these all
-        # fall in the top one (B S >= 64 * 4 * SMs, S >= 64 with D = 64)
-        "rope_fwd": (functools.partial(rp.rope_fwd, **rope_kw), rope_avals,
-                     ((1, 4096), (2, 4097), (3, 1000))),
-        "rope_bwd": (functools.partial(rp.rope_bwd, **rope_kw), rope_bwd_avals,
-                     ((1, 4096), (2, 4097), (3, 1000))),
+        "rope_fwd": (functools.partial(rp.rope_fwd, **rope_kw), rope_avals, rope_rows),
+        "rope_bwd": (functools.partial(rp.rope_bwd, **rope_kw), rope_bwd_avals, rope_rows),
         "lora_qkv_fwd": (functools.partial(lora.lora_qkv_fwd, scales=(2.0, 2.0, 0.5), has_bias=True),
                          lambda m: (a(m, h), *qkv_w), rows),
         "lora_mlp_fwd": (functools.partial(lora.lora_mlp_fwd, scales=(2.0, 2.0, 0.5), gelu=False),
@@ -223,12 +234,23 @@ def _kernel_passes():
     }
 
 
+@pytest.fixture
+def sms(request, monkeypatch):
+    """The kernels' launch choices computed for ``request.param`` SMs (lowering needs no GPU)."""
+    from forge_pallas import _common as C
+
+    monkeypatch.setattr(C, "num_cores", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("sms", SMS, indirect=True, ids=[f"sm{n}" for n in SMS])
 @pytest.mark.parametrize("name", list(_kernel_passes()) if JI.missing() == [] else [])
-def test_ttir_does_not_depend_on_the_row_count(name):
+def test_ttir_does_not_depend_on_the_row_count(name, sms):
     """Each kernel pass lowers to the same Triton IR at every row count (within the bucket the
-    case names): the row count is read at run time and the launch grid is a launch argument,
-    so a new row count never needs a new Triton compile."""
-    fn, avals, row_counts = _kernel_passes()[name]
+    case names), for the CPU's stand-in SM count and an H200's: the row count is read at run
+    time and the launch grid is a launch argument, so a new row count never needs a new Triton
+    compile."""
+    fn, avals, row_counts = _kernel_passes(sms)[name]
     mods = {}
     for m in row_counts:
         eqns = native.pallas_eqns(fn, avals(m))
@@ -245,6 +267,31 @@ def test_ttir_does_not_depend_on_the_row_count(name):
 
                 diff = list(difflib.unified_diff(x.splitlines(), y.splitlines(), lineterm="", n=0))
                 pytest.fail(f"{name}: kernel {n} lowers differently at rows {first} and {m}:\n" + "\n".join(diff[:12]))
+
+
+@pytest.mark.parametrize("sms", SMS, indirect=True, ids=[f"sm{n}" for n in SMS])
+def test_rope_lowers_to_one_module_per_bucket(sms):
+    """Rope's one row-dependent choice is its positions per program (``rope._block_s``, from B S,
+    S and the SM count): over a sweep of batch and sequence sizes, from decoding to long
+    prompts, shapes in one bucket share a module and there are as many modules as buckets."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from forge_pallas import rope as rp
+
+    def a(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+    fn = functools.partial(rp.rope_fwd, q_layout="bshd", k_layout="bshd", in_dtype="bfloat16")
+    by_bucket = {}
+    for b, s in ((1, 1), (7, 1), (1, 5), (2, 37), (1, 300), (4, 300), (1, 1024), (3, 1000), (2, 4097),
+                 (8, 2048), (1, 40000), (16, 4096)):
+        [eqn] = native.pallas_eqns(fn, (a(b, s, 14, 64), a(b, s, 2, 64), a(b, s, 64), a(b, s, 64)))
+        by_bucket.setdefault(rp._block_s(b * s, s, 32, sms), set()).add(JI.lower_pallas_call(eqn).ttir)
+    assert all(len(mods) == 1 for mods in by_bucket.values()), {k: len(v) for k, v in by_bucket.items()}
+    assert len(set().union(*by_bucket.values())) == len(by_bucket) >= 4, sorted(by_bucket)
 
 
 def test_ttir_names_the_row_count_nowhere():
