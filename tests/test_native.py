@@ -358,6 +358,46 @@ def test_stale_weight_after_in_place_update(launcher):
     assert tolerance.rel_err(got, want) < 1e-5
 
 
+def test_dlpack_path_gives_jax_aligned_buffers(launcher, monkeypatch):
+    """JAX's GPU runtime imports a DLPack tensor as a view wherever it points (only its CPU
+    runtime copies a misaligned one), and XLA then refuses an entry parameter that is not
+    16-byte aligned (``Address of buffer 2 must be a multiple of ...`` on the H200, the weight
+    of test_stale_weight_after_in_place_update); the kernels declare every pointer 32-byte
+    aligned. So the bridge copies such tensors before the import, on every device: every buffer
+    JAX is handed here is aligned though inputs, weight and upstream gradient are not, the
+    results are right, and an in-place update of the weight reaches the next call."""
+    from bridge import core
+    from forge.spec import rmsnorm as spec
+
+    launcher("off")
+    dev = "cuda" if HAS_CUDA else "cpu"
+    core.to_jax(torch.zeros(8, device=dev))  # (the one-time import-path check, before the spy)
+    seen = []
+    real = core._import
+    monkeypatch.setattr(core, "_import", lambda t: (seen.append(t.data_ptr()), real(t))[1])
+
+    def off(n, by, dtype=torch.float32):  # n values starting ``by`` elements into their storage
+        return torch.randn(n + by, device=dev).to(dtype)[by:]
+
+    f = ops.get("rmsnorm", "pallas")
+    x = off(4 * 64, 1).view(4, 64).requires_grad_()
+    w = off(64, 3).requires_grad_()
+    dy = off(4 * 64, 2).view(4, 64)
+    assert x.data_ptr() % core.ALIGN and w.data_ptr() % core.ALIGN and dy.data_ptr() % core.ALIGN
+    got = f(x, w, 1e-6)
+    got.backward(dy)
+    assert seen and all(p % core.ALIGN == 0 for p in seen), [p % core.ALIGN for p in seen]
+    xd, wd = x.detach().double(), w.detach().double()
+    assert tolerance.rel_err(got.detach(), spec.reference(xd, wd, 1e-6)) < 1e-5
+    xr, wr = xd.clone().requires_grad_(), wd.clone().requires_grad_()
+    spec.reference(xr, wr, 1e-6).backward(dy.double())
+    assert tolerance.rel_err(x.grad, xr.grad) < 1e-5 and tolerance.rel_err(w.grad, wr.grad) < 1e-5
+    with torch.no_grad():
+        w.mul_(2)
+    again = f(x.detach(), w.detach(), 1e-6)
+    assert tolerance.rel_err(again, spec.reference(xd, 2 * wd, 1e-6)) < 1e-5
+
+
 def test_bridge_pins_no_weights(launcher):
     """After a call, the bridge holds nothing of a weight: deleting it frees its memory."""
     import weakref
