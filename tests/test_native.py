@@ -341,6 +341,39 @@ def test_new_row_counts_share_the_compiled_kernels(launcher, tmp_path, monkeypat
     assert st["compiles"] == (2 if HAS_CUDA else 0), st
 
 
+def test_rope_shapes_in_one_bucket_share_the_compiled_kernels(launcher, tmp_path, monkeypatch):
+    """Rope at three (batch, sequence) shapes of one bucket (rope._block_s, for this machine's
+    SM count: 132 on an H200), with cos per batch entry and shared: a plan per shape, one
+    forward and one backward module (the Triton launcher compiles two), results right."""
+    from forge.spec import rope as spec
+    from forge_pallas import _common as C
+    from forge_pallas import rope as rp
+
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    dev = "cuda" if HAS_CUDA else "cpu"
+    if HAS_CUDA:
+        launcher(None)
+    else:
+        launcher("jax", lower=True)
+    top = 64 * 4 * C.num_cores()  # head dim 64: the top bucket, 64 positions per program
+    shapes = ((1, top, 1), (2, top // 2 + 1, 2), (3, top // 3 + 5, 1))
+    assert len({rp._block_s(b * s, s, 32) for b, s, _ in shapes}) == 1
+    f = ops.get("rope", "pallas")
+    for b, s, cb in shapes:
+        q = torch.randn(b, 2, s, 64, device=dev, requires_grad=True)
+        k = torch.randn(b, 1, s, 64, device=dev, requires_grad=True)
+        cos, sin = torch.randn(cb, s, 64, device=dev), torch.randn(cb, s, 64, device=dev)
+        qo, ko = f(q, k, cos, sin)
+        (qo.sum() + ko.sum()).backward()
+        wq, wk = spec.reference(q.detach().double(), k.detach().double(), cos.double(), sin.double())
+        assert tolerance.rel_err(qo.detach(), wq) < 1e-5 and tolerance.rel_err(ko.detach(), wk) < 1e-5
+    st = native.status()
+    assert not st["declined"], st["declined"]
+    assert st["plans"] == 6, st  # (fwd, bwd) x 3 shapes
+    assert st["kernels"] == 2, st
+    assert st["compiles"] == (2 if HAS_CUDA else 0), st
+
+
 def test_stale_weight_after_in_place_update(launcher):
     """A weight JAX had to copy on import (not 64-byte aligned) must not be cached: an in-place
     update (an optimizer step) has to reach the next call."""
