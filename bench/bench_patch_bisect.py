@@ -255,12 +255,16 @@ def main(argv=None):
     rows = _rounds(variants, model, a, ids)
     if a.compile and dev.type == "cuda":
         rows.append(_run("torch.compile", model, a, ids, compile_=True))
-        forge.patch(model, mode=a.mode, backend=b0, min_elements=a.min_elements)
-        try:
-            rows.append(_run(f"forge {b0} + torch.compile", model, a, ids, compile_=True))
-        except Exception as e:  # noqa: BLE001 - report, do not hide
-            rows.append({"variant": f"forge {b0} + torch.compile", "note": f"failed: {type(e).__name__}: {e}"[:300]})
-        forge.unpatch(model)
+        extras = [{}] + ([{"recompute_mlp": True}] if a.recompute_mlp and a.mode == "train" else [])
+        for kw in extras:
+            label = f"forge {b0}{''.join(f' + {k}' for k in kw)} + torch.compile"
+            torch._dynamo.reset()
+            forge.patch(model, mode=a.mode, backend=b0, min_elements=a.min_elements, **kw)
+            try:
+                rows.append(_run(label, model, a, ids, compile_=True))
+            except Exception as e:  # noqa: BLE001 - report, do not hide
+                rows.append({"variant": label, "note": f"failed: {type(e).__name__}: {e}"[:300]})
+            forge.unpatch(model)
         torch._dynamo.reset()
     if a.compile or a.liger:  # drift check: eager once more, after the long compile runs
         rows.append(_run(f"{base} (again)", model, a, ids))

@@ -6,8 +6,10 @@ rule (``jax._src.pallas.triton.pallas_call_registration``) with
 ``lowering.lower_jaxpr_to_triton_module`` and hands it to its own bundled Triton. We lower a
 one-equation function with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``,
 catch the module that function returns, print it without debug info and stop the lowering
-there. Lowering needs no GPU (JAX falls back to a default compute capability without one), so
-this runs, and is tested, on the CPU too.
+there. Lowering needs no GPU, so this runs, and is tested, on the CPU too: JAX 0.10 falls back
+to compute capability 9.0 without one; JAX 0.11 asks ``gpu_info.get_gpu_info()`` and raises
+without a GPU (or an abstract one), so without a GPU :func:`lower_pallas_call` answers that
+question with the same 9.0 (an H100/H200's: what the CPU tests' TTIR is compared against).
 
 If a future JAX moves any of these names, :func:`missing` says which, and the bridge keeps every
 kernel on the DLPack path with that reason (``bridge.native.status()``).
@@ -15,6 +17,7 @@ kernel on the DLPack path with that reason (``bridge.native.status()``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import threading
 
@@ -93,15 +96,34 @@ def lower_pallas_call(eqn) -> Lowered:
 
     with _LOCK:
         reg.lowering.lower_jaxpr_to_triton_module = catch
+        info = getattr(reg, "gpu_info_lib", None)  # JAX >= 0.11
+        orig_info = None if info is None else info.get_gpu_info
+        if info is not None and not _has_gpu_info(orig_info):
+            info.get_gpu_info = functools.partial(_default_gpu_info, info)
         try:
             jax.jit(one).trace(*avals).lower(lowering_platforms=("cuda",))
         except _Caught:
             pass
         finally:
             reg.lowering.lower_jaxpr_to_triton_module = orig
+            if info is not None:
+                info.get_gpu_info = orig_info
     if "ttir" not in got:
         raise RuntimeError("the pallas_call lowering rule did not reach lower_jaxpr_to_triton_module")
     return Lowered(got["ttir"], got["grid"], int(num_warps), int(num_stages))
+
+
+def _has_gpu_info(get) -> bool:
+    try:
+        get()
+        return True
+    except ValueError:  # no GPU (the CPU tests)
+        return False
+
+
+def _default_gpu_info(info):
+    """JAX 0.10's fallback without a GPU (compute capability 9.0), in JAX 0.11's terms."""
+    return info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
 
 
 def is_literal(v) -> bool:

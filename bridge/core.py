@@ -32,9 +32,10 @@ for an input without a gradient. Optional fields: ``save`` (input positions ``bw
 ``bwd``, so frozen weights skip their gradient kernels.
 
 Transport: inputs are exported as detached views (torch refuses to export a tensor that requires
-grad), made contiguous if they are not (DLPack import needs compact strides) and imported with
-``jax.dlpack.from_dlpack`` semantics: zero copy, and JAX's stream waits for what torch queued on
-its current stream. Outputs come back with ``torch.from_dlpack``, which makes torch's current
+grad), made contiguous if they are not (DLPack import needs compact strides), copied if they do
+not start ``ALIGN``-byte aligned (JAX's GPU runtime would not copy them; see ``to_jax``) and
+imported with ``jax.dlpack.from_dlpack`` semantics: zero copy, and JAX's stream waits for what
+torch queued on its current stream. Outputs come back with ``torch.from_dlpack``, which makes torch's current
 stream wait for JAX's. Memory and stream safety across the two allocators rest on two rules every kernel keeps:
 (1) each launch imports its torch tensors afresh (nothing is cached), so JAX's stream is
 ordered after everything torch queued before the call, including reads of JAX-owned outputs
@@ -51,7 +52,11 @@ import functools
 
 import torch
 
+from forge import _runtime as _forge_runtime
+
 from . import native, runtime
+
+_through_ops = _forge_runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 
 _REGISTRY: dict[str, "KernelDef"] = {}
 
@@ -200,9 +205,23 @@ def _prepare(t: torch.Tensor, pos: int, kname: str):
     return t
 
 
+# Every buffer the bridge hands JAX starts at a multiple of this many bytes. JAX's GPU runtime
+# imports a DLPack tensor as a view wherever it points: only its CPU runtime copies a misaligned
+# one (jaxlib's dlpack import falls back to a copy for kDLCPU alone). XLA's GPU executable then
+# refuses an entry parameter that is not 16-byte aligned ("Address of buffer N must be a
+# multiple of ...", seen on the H200 for a weight 4 bytes into its storage), and the Pallas
+# kernels' lowering declares every pointer 32-byte aligned (tt.divisibility = 32), as the
+# native path's launches do (native._ready). The copy is made afresh on every call, like every
+# import, so an in-place update of the tensor (an optimizer step) reaches the next call.
+ALIGN = 32
+
+
 def to_jax(t: torch.Tensor, pos: int = 0, kname: str = "bridge"):
-    """A zero-copy JAX view of ``t`` (after the dtype decisions in the module docstring)."""
+    """A JAX view of ``t`` (after the dtype decisions in the module docstring): zero copy,
+    except for a tensor not :data:`ALIGN`-byte aligned, which JAX gets a fresh copy of."""
     t = _prepare(t, pos, kname)
+    if t.data_ptr() % ALIGN:
+        t = t.clone()
     if not _import_checked:
         _check_fast_path(t)
     return _import(t)
@@ -214,8 +233,9 @@ def to_torch(a) -> torch.Tensor:
 
 def _inputs_to_jax(kdef, tensors):
     # Every input is imported afresh on every call, weights too. A cache of weight views would
-    # save ~0.1 ms per weight and call, but (a) JAX copies a tensor it cannot alias (an address
-    # that is not 64-byte aligned), so a cached copy misses every later in-place update (an
+    # save ~0.1 ms per weight and call, but (a) a tensor that cannot be aliased (an address not
+    # ALIGN-byte aligned, copied by to_jax; on the CPU JAX itself copies one not 64-byte
+    # aligned) is imported as a copy, so a cached copy misses every later in-place update (an
     # optimizer step), and (b) a cached view pins its tensor's storage: torch keeps a tensor's
     # Python object alive while the DLPack capsule holds it, so no weak reference ever tells
     # the cache that the model is gone. The native path (bridge/native.py) imports nothing.
@@ -315,7 +335,7 @@ def apply(kdef: KernelDef, *tensors, **static):
     constants of the JAX functions and part of the cache key. Under torch.compile the call goes
     to the op layer's op for ``kdef`` (see :func:`install`).
     """
-    if _TRACED is not None and torch.compiler.is_compiling():
+    if _TRACED is not None and _through_ops():
         outs = _TRACED(kdef, tensors, static)
         return outs if len(outs) > 1 else outs[0]
     skey = tuple(static.items())

@@ -20,8 +20,10 @@ reason in :func:`status` and one warning.
 Caches: the TTIR of each lowered ``pallas_call`` is kept on disk (``FORGE_CACHE_DIR``, default
 ``~/.cache/forge``), keyed by the JAX, jaxlib and Triton versions, the kernel, its static
 arguments and shapes, so a second process neither lowers nor (through Triton's own cache)
-compiles again. Plans are per input shape (a new row count traces and lowers again; Triton's
-cache compiles again only if the IR changed) and bounded (``_PLANS_MAX``).
+compiles again. Compiled kernels are keyed by the TTIR's hash (``_KERNELS``): the kernels read
+their row count at run time, so plans at other row counts (per input shape: a new row count
+traces and lowers again) share one compile (docs/pallas-native.md). Plans are bounded
+(``_PLANS_MAX``).
 
 Launches: a plan takes the compiled kernel's launcher directly (Triton 3.6's calling
 convention, ``_FAST_TRITON``) and otherwise ``kernel[grid](*args)``. The kernel's arguments are
@@ -46,6 +48,7 @@ import logging
 import operator
 import os
 import threading
+import time
 
 import torch
 
@@ -59,6 +62,14 @@ _DECLINED: dict = {}  # (kernel, pass) -> reason (the latest)
 _WARNED: set = set()
 _LOCK = threading.RLock()
 _LAUNCHER = None  # None: decide ("triton" on a GPU); tests set "jax"
+_LOWER_WITH_JAX = False  # launcher "jax": also lower each pallas_call and key it (tests)
+# compiled kernels by what Triton compiles: (sha256 of the TTIR, num_warps, num_stages). Row
+# counts share a module (forge_pallas reads them at run time), so they share one entry; each
+# plan keeps its own grid. Under launcher "jax" (lower=True) the entries hold the TTIR only.
+_KERNELS: dict = {}
+_COMPILES = [0]  # triton.compile calls in this process
+# seconds spent building plans, by part (bench/bench_first_call.py reports them)
+_TIMES = {"trace": 0.0, "lower": 0.0, "compile": 0.0, "build": 0.0}
 
 
 class Unsupported(Exception):
@@ -92,14 +103,19 @@ def launcher() -> str:
     return "none" if _common.interpret() else "triton"
 
 
-def set_launcher(name: str | None) -> None:
-    """``"jax"``: evaluate each ``pallas_call`` with JAX instead of launching it (CPU tests);
-    ``"off"``: every call through JAX and DLPack; ``None``: the default (``"triton"`` where JAX
-    has a GPU). Clears the plans."""
-    global _LAUNCHER
+def set_launcher(name: str | None, *, lower: bool = False) -> None:
+    """``"jax"``: evaluate each ``pallas_call`` with JAX instead of launching it (CPU tests;
+    with ``lower=True`` each one is also lowered to TTIR and keyed in the kernel table as the
+    Triton launcher would compile it); ``"off"``: every call through JAX and DLPack; ``None``:
+    the default (``"triton"`` where JAX has a GPU). Clears the plans, the kernel table and the
+    compile count."""
+    global _LAUNCHER, _LOWER_WITH_JAX
     if name not in (None, "jax", "triton", "off"):
         raise ValueError(f"launcher must be None, 'jax', 'triton' or 'off', got {name!r}")
     _LAUNCHER = name
+    _LOWER_WITH_JAX = bool(lower)
+    _KERNELS.clear()
+    _COMPILES[0] = 0
     _process_reason.cache_clear()
     _available.cache_clear()
     clear()
@@ -121,10 +137,18 @@ def _available() -> bool:
 
 
 def status() -> dict:
-    """{"available": bool, "reason": str, "declined": {"kernel/pass": reason}, "plans": n}."""
+    """{"available": bool, "reason": str, "declined": {"kernel/pass": reason}, "plans": n,
+    "kernels": distinct lowered modules (what Triton compiles, one per module whatever the row
+    counts), "compiles": triton.compile calls in this process}."""
     ok, why = available()
     return {"available": ok, "reason": why, "declined": {f"{k}/{p}": r for (k, p), r in _DECLINED.items()},
-            "plans": len(_PLANS)}
+            "plans": len(_PLANS), "kernels": len(_KERNELS), "compiles": _COMPILES[0]}
+
+
+def timings() -> dict:
+    """Seconds this process spent building plans: in all ("build"), tracing to jaxprs, lowering
+    to TTIR (disk-cache misses) and in triton.compile (Triton's own disk cache included)."""
+    return dict(_TIMES)
 
 
 def clear() -> None:
@@ -180,11 +204,32 @@ def _reshape(p, ctx):
     return lambda x: x.reshape(shape)
 
 
+_SMALL: dict = {}  # (value, shape, dtype, device) -> a constant int tensor (row counts)
+
+
+def _small_const(x, shape, dtype, dev):
+    """A few ints as a device tensor, made once per device: the row-count operands of the
+    kernels (forge_pallas/_common.rows_operand) would otherwise cost a fill kernel per call.
+    Nothing writes them (``_pallas_step`` copies one an output would alias). Not kept when made
+    inside a CUDA-graph capture (the graph's memory pool owns it)."""
+    key = (x, shape, dtype, dev)
+    t = _SMALL.get(key)
+    if t is None:
+        t = torch.full(shape, x, dtype=dtype, device=dev)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()) and len(_SMALL) < 4096:
+            t._forge_shared = True
+            _SMALL[key] = t
+    return t
+
+
 def _broadcast(p, ctx):
     shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
+    small = not ctx.out_dtype.is_floating_point and ctx.out_dtype != torch.bool and len(shape) == 1 and shape[0] <= 8
 
     def fn(x):
         if not isinstance(x, torch.Tensor):
+            if small:
+                return _small_const(x, shape, ctx.out_dtype, ctx.dev[0])
             return torch.full(shape, x, dtype=ctx.out_dtype, device=ctx.dev[0])
         view = [1] * len(shape)
         for i, d in enumerate(dims):
@@ -325,7 +370,9 @@ def _lowered(eqn, key: str):
         return JI.Lowered(d["ttir"], tuple(d["grid"]), d["num_warps"], d["num_stages"]), path
     except (OSError, ValueError, KeyError):
         pass
+    t0 = time.perf_counter()
     low = JI.lower_pallas_call(eqn)
+    _TIMES["lower"] += time.perf_counter() - t0
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -350,18 +397,41 @@ def _fast_triton() -> bool:
     return _FAST_TRITON
 
 
-class _TritonLaunch:
-    """A lowered kernel compiled by the installed Triton; launches on torch's current stream."""
+def _kernel_key(low) -> tuple:
+    return (hashlib.sha256(low.ttir.encode()).hexdigest(), low.num_warps, low.num_stages)
 
-    def __init__(self, low, path):
+
+def _compiled(low):
+    """The installed Triton's compile of ``low``, once per module in this process: plans at
+    other row counts (same TTIR, other grid) reuse it. The TTIR file is named by its hash; so
+    is Triton's own cache entry, so another process compiles nothing either."""
+    key = _kernel_key(low)
+    ck = _KERNELS.get(key)
+    if ck is None:
         import triton
 
-        ttir = path[:-len(".json")] + ".ttir"
-        if not os.path.exists(ttir):
-            with open(ttir, "w") as f:
+        path = os.path.join(_cache_dir(), "pallas-native", f"ttir-{key[0][:32]}.ttir")
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
                 f.write(low.ttir)
+            os.replace(tmp, path)
+        t0 = time.perf_counter()
+        ck = triton.compile(path, options={"num_warps": low.num_warps, "num_stages": low.num_stages})
+        _TIMES["compile"] += time.perf_counter() - t0
+        _COMPILES[0] += 1
+        _KERNELS[key] = ck
+    return ck
+
+
+class _TritonLaunch:
+    """A compiled kernel (shared across row counts) and this plan's grid; launches on torch's
+    current stream."""
+
+    def __init__(self, low):
         self.grid = low.grid
-        self.ck = triton.compile(ttir, options={"num_warps": low.num_warps, "num_stages": low.num_stages})
+        self.ck = _compiled(low)
         self._run = None
 
     def __call__(self, args):
@@ -416,10 +486,13 @@ def _pallas_step(eqn, key, later_uses, ctx, out_shapes):
     copy_alias = {o: i for o, i in aliases.items() if later_uses(eqn.invars[i])}
     if launcher() == "jax":
         launch = _JaxEval(eqn)
+        if _LOWER_WITH_JAX:
+            low, _ = _lowered(eqn, key)
+            _KERNELS.setdefault(_kernel_key(low), low.ttir)
     else:
-        low, path = _lowered(eqn, key)
+        low, _ = _lowered(eqn, key)
         try:
-            launch = _TritonLaunch(low, path)
+            launch = _TritonLaunch(low)
         except Exception as e:  # noqa: BLE001 - a compile failure declines, it never crashes a call
             raise Unsupported(f"Triton could not compile the lowered {eqn.params.get('name')}: {e}") from e
 
@@ -432,8 +505,9 @@ def _pallas_step(eqn, key, later_uses, ctx, out_shapes):
             if i is None:
                 res.append(torch.empty(shape, dtype=dt, device=dev))
             else:
-                res.append(ins[i].clone() if j in copy_alias else ins[i])
-                if j in copy_alias:
+                copy = j in copy_alias or getattr(ins[i], "_forge_shared", False)
+                res.append(ins[i].clone() if copy else ins[i])
+                if copy:
                     ins[i] = res[-1]
         launch(ins + res)
         return res
@@ -557,7 +631,9 @@ def _elide_reshapes(flat_eqns, outvars):
 def _build(fn, args, key_prefix):
     import jax
 
+    t0 = time.perf_counter()
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    _TIMES["trace"] += time.perf_counter() - t0
     out_tree = jax.tree_util.tree_structure(out_shape)
     steps = []
     jaxpr = closed.jaxpr
@@ -641,6 +717,25 @@ def _build(fn, args, key_prefix):
     return Plan(steps, template, in_slots, _assembler(shape), dev)
 
 
+def pallas_eqns(fn, args) -> list:
+    """The ``pallas_call`` equations of ``fn`` traced on ``args`` (avals or arrays; tuples
+    allowed), in program order, nested calls included."""
+    import jax
+
+    out = []
+
+    def walk(jx):
+        for e in jx.eqns:
+            sub = JI.subjaxpr(e)
+            if sub is not None:
+                walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+            elif e.primitive.name == JI.PALLAS_CALL:
+                out.append(e)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out
+
+
 def _aval(t):
     import jax
 
@@ -695,11 +790,13 @@ def plan(kdef, which: str, skey, fn, args: tuple, leaves=None):
     with _LOCK:
         if dev.type != "cuda" and launcher() == "triton":
             return None
+        t0 = time.perf_counter()
         try:
             p = _build(fn, _aval(args), (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind()))
         except Unsupported as e:
             _decline(kdef.name, which, str(e))
             p = False
+        _TIMES["build"] += time.perf_counter() - t0
         _PLANS[key] = p
         if len(_PLANS) > _PLANS_MAX:
             _PLANS.popitem(last=False)

@@ -25,6 +25,27 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# FORGE_THROUGH_OPS=1 (read once, at import): every kernel call takes the path torch.compile
+# traces (the torch.ops.forge op with its registered autograd) in eager mode too, so the parity
+# suite can run the op layer itself (see tests/test_compile.py and docs/design.md).
+THROUGH_OPS = os.environ.get("FORGE_THROUGH_OPS", "0") == "1"
+
+
+def _always() -> bool:
+    return True
+
+
+def op_route():
+    """The function the backends ask whether a kernel call goes through the op layer:
+    ``torch.compiler.is_compiling`` (the op layer only while torch.compile traces), or, with
+    ``FORGE_THROUGH_OPS=1``, always."""
+    if THROUGH_OPS:
+        return _always
+    import torch
+
+    return torch.compiler.is_compiling  # (itself: no extra Python frame on the eager hot path)
+
+
 def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

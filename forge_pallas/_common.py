@@ -60,18 +60,64 @@ def ds(start, size):
     return pl.ds(i32(start), size)
 
 
+def _whole(shape):
+    """The whole array as one block, indexed by element: the kernel sees the full array, as
+    without a BlockSpec, but the lowering takes the block's start as the index map's value (0)
+    instead of ``0 * block size``, so the array's extents stay out of the Triton IR (only its
+    strides, from the trailing dimensions, are in it)."""
+    if not shape:
+        return None
+    return pl.BlockSpec(tuple(pl.Element(int(d)) for d in shape), lambda *_: (0,) * len(shape))
+
+
 def triton_call(kernel, *, name, grid, out_shape, num_warps, num_stages=None, aliases=None):
     """``pallas_call`` with the Triton lowering (interpreted without a GPU); ``aliases`` (input
-    index -> output index) lets an output reuse an input's buffer, updating it in place."""
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        name=name,
-        interpret=interpret(),
-        input_output_aliases=aliases or {},
-        compiler_params=_TritonParams(num_warps=num_warps, num_stages=num_stages),
-    )
+    index -> output index) lets an output reuse an input's buffer, updating it in place.
+
+    Every operand is passed whole (:func:`_whole`): with the row count read at run time
+    (:func:`rows_operand`), the lowered module then does not depend on the number of rows."""
+    outs = out_shape if isinstance(out_shape, (tuple, list)) else None
+
+    def call(*args):
+        return pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=[_whole(jnp.shape(a)) for a in args],
+            out_specs=(type(outs)(_whole(o.shape) for o in outs) if outs is not None
+                       else _whole(out_shape.shape)),
+            name=name,
+            interpret=interpret(),
+            input_output_aliases=aliases or {},
+            compiler_params=_TritonParams(num_warps=num_warps, num_stages=num_stages),
+        )(*args)
+
+    return call
+
+
+def rows_operand(m: int):
+    """A row count as a kernel operand, (1,) int32: the kernel reads it at run time
+    (:func:`read_rows`) instead of taking it from a ref's shape, where it would be a constant
+    of the lowered module (a new row count, a new Triton compile)."""
+    return jnp.full((1,), m, jnp.int32)
+
+
+def row_programs(n: int) -> int:
+    """Programs along a grid axis that follows the rows: ``n``, but at least two. The lowering
+    turns the program id of a one-program axis into the constant 0, a second module for small
+    inputs; the extra program finds every row masked off and stores nothing."""
+    return max(2, int(n))
+
+
+def cdiv_traced(a, b: int):
+    """ceil(a / b) of a traced int32 (a run-time row count) by a static int, int32 also under
+    ``jax_enable_x64`` (``pl.cdiv`` would make ``b`` int64 there)."""
+    return jax.lax.div(a + i32(b - 1), i32(b))
+
+
+def read_rows(ref):
+    """The scalar a :func:`rows_operand` holds, inside a kernel."""
+    return load(ref.at[ds(0, 1)])[0]
 
 
 def acc_dtype(dtype):

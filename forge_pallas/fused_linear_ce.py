@@ -45,10 +45,10 @@ def _logits(z_ref, b_ref, rs, cs, rmask, cmask, *, softcap, has_bias):
     return z, th
 
 
-def _flce_stats_kernel(z_ref, b_ref, yl_ref, m_ref, s_ref, t_ref, sz_ref,
+def _flce_stats_kernel(z_ref, b_ref, yl_ref, m_ref, s_ref, t_ref, sz_ref, n_ref,
                        mo_ref, so_ref, to_ref, szo_ref, *, vc, softcap, has_bias, smooth,
                        block_m, block_n):
-    n = z_ref.shape[0]
+    n = C.read_rows(n_ref)  # rows at run time (see _common.rows_operand)
     acc = C.acc_dtype(z_ref.dtype)
     i = pl.program_id(0)
     rows = i * block_m + jnp.arange(block_m)  # (BM,)
@@ -89,9 +89,9 @@ def _flce_stats_kernel(z_ref, b_ref, yl_ref, m_ref, s_ref, t_ref, sz_ref,
 # w_i = valid_i / divisor, with p = exp(z - lse):
 #   dL/dz_j = w_i (p_j (1 + 2 z_loss lse) - (1-eps)[j == y] - eps/V)
 #   softcap z = c tanh(r / c):  dL/dr = dL/dz (1 - tanh^2)
-def _flce_grad_kernel(z_ref, b_ref, yl_ref, lse_ref, w_ref, g_ref, *, vc, softcap, has_bias,
+def _flce_grad_kernel(z_ref, b_ref, yl_ref, lse_ref, w_ref, n_ref, g_ref, *, vc, softcap, has_bias,
                       one_minus_eps, eps_over_v, two_z_loss, block_m, block_n):
-    n = z_ref.shape[0]
+    n = C.read_rows(n_ref)
     i = pl.program_id(0)
     rows = i * block_m + jnp.arange(block_m)
     rmask = rows < n
@@ -135,8 +135,8 @@ def _stats(z, b, yl, state, *, softcap, smooth):
                              smooth=smooth, block_m=bm, block_n=bn)
     out = tuple(jax.ShapeDtypeStruct((n,), a.dtype) for a in state)
     b = b if b is not None else state[0]  # never read without a bias
-    return _launch(kern, name="flce_stats", grid=(C.cdiv(n, bm),), out_shape=out,
-                   num_warps=warps)(z, b, yl, *state)
+    return _launch(kern, name="flce_stats", grid=(C.row_programs(C.cdiv(n, bm)),), out_shape=out,
+                   num_warps=warps)(z, b, yl, *state, C.rows_operand(n))
 
 
 def _grad(z, b, yl, lse, w, dtype, *, softcap, **coefs):
@@ -147,8 +147,8 @@ def _grad(z, b, yl, lse, w, dtype, *, softcap, **coefs):
     kern = functools.partial(_flce_grad_kernel, vc=vc, softcap=softcap, has_bias=b is not None,
                              block_m=bm, block_n=bn, **coefs)
     b = b if b is not None else lse
-    return _launch(kern, name="flce_grad", grid=(C.cdiv(n, bm),), num_warps=warps,
-                   out_shape=jax.ShapeDtypeStruct((n, vc), dtype))(z, b, yl, lse, w)
+    return _launch(kern, name="flce_grad", grid=(C.row_programs(C.cdiv(n, bm)),), num_warps=warps,
+                   out_shape=jax.ShapeDtypeStruct((n, vc), dtype))(z, b, yl, lse, w, C.rows_operand(n))
 
 
 # grad_W += dz^T @ h for one chunk of rows, in place (the grad_W input aliased to the output).
@@ -192,9 +192,9 @@ def _load(ref, mask):
     return C.load(ref) if mask is None else C.load(ref, mask=mask, other=0.0)
 
 
-def _gw_acc_kernel(gw_ref, g_ref, h_ref, out_ref, *, block_v, block_h, block_k, prec):
+def _gw_acc_kernel(gw_ref, g_ref, h_ref, c_ref, out_ref, *, block_v, block_h, block_k, ragged, prec):
     v, hd = gw_ref.shape
-    c = g_ref.shape[0]
+    c = C.read_rows(c_ref)  # the chunk's rows at run time; ``ragged``: not a multiple of block_k
     acc = C.acc_dtype(gw_ref.dtype)
     j, i = pl.program_id(0), pl.program_id(1)  # H block fastest (see above), then V block
     vmask = _in_bounds(i * block_v, block_v, v)
@@ -203,14 +203,14 @@ def _gw_acc_kernel(gw_ref, g_ref, h_ref, out_ref, *, block_v, block_h, block_k, 
 
     def body(k, tile):
         k = k.astype(jnp.int32)
-        kmask = _in_bounds(k * block_k, block_k, c)
+        kmask = k * block_k + jnp.arange(block_k) < c if ragged else None
         ks = pl.ds(k * block_k, block_k)
         a = _load(g_ref.at[ks, vs], _both(kmask, vmask, (block_k, block_v)))  # (BK, BV)
         b = _load(h_ref.at[ks, hs], _both(kmask, hmask, (block_k, block_h)))  # (BK, BH)
         return tile + jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec,
                                           preferred_element_type=acc)
 
-    tile = jax.lax.fori_loop(0, C.cdiv(c, block_k), body, jnp.zeros((block_v, block_h), acc))
+    tile = jax.lax.fori_loop(0, jax.lax.div(c + (block_k - 1), C.i32(block_k)), body, jnp.zeros((block_v, block_h), acc))
     mask = _both(vmask, hmask, (block_v, block_h))
     old = _load(gw_ref.at[vs, hs], mask).astype(acc)
     C.store(out_ref.at[vs, hs], (old + tile).astype(out_ref.dtype), mask=mask)
@@ -230,10 +230,10 @@ def _gw_accumulate(gw, g, h, *, blocks=None, warps=None, stages=None):
     # stages asked for 288 KiB on the H200, which has 227): fewer stages for wider dtypes
     per_stage = bk * (bv + bh) * jnp.dtype(g.dtype).itemsize
     stages = max(2, min(stages or _GW_STAGES, 1 + _smem_budget() // per_stage))
-    kern = functools.partial(_gw_acc_kernel, block_v=bv, block_h=bh, block_k=bk, prec=prec)
+    kern = functools.partial(_gw_acc_kernel, block_v=bv, block_h=bh, block_k=bk, ragged=c % bk != 0, prec=prec)
     return _launch(kern, name="flce_grad_w", grid=(C.cdiv(hd, bh), C.cdiv(v, bv)),
                    out_shape=jax.ShapeDtypeStruct(gw.shape, gw.dtype), aliases={0: 0},
-                   num_warps=warps or _GW_WARPS, num_stages=stages)(gw, g, h)
+                   num_warps=warps or _GW_WARPS, num_stages=stages)(gw, g, h, C.rows_operand(c))
 
 
 def tile_width(n, v, tile_vocab):

@@ -41,8 +41,8 @@ def _act(g, kind):
     return g * p, p + 2.0 * g * p * one_minus_p * _K * (1.0 + 3.0 * _A * g * g)
 
 
-def _glu_fwd_kernel(g_ref, u_ref, y_ref, *, kind, block):
-    total = g_ref.shape[0]
+def _glu_fwd_kernel(g_ref, u_ref, t_ref, y_ref, *, kind, block):
+    total = C.read_rows(t_ref)  # elements, at run time
     acc = C.acc_dtype(g_ref.dtype)
     i = pl.program_id(0)
     mask = i * block + jnp.arange(block) < total  # (BLOCK,)
@@ -56,8 +56,8 @@ def _glu_fwd_kernel(g_ref, u_ref, y_ref, *, kind, block):
 # y = act(g) * u  =>  dg = dy * u * act'(g),  du = dy * act(g)   (act' in _act, derivations in spec)
 # With a y_ref (the gated MLP's backward) the kernel also writes y = act(g) * u, recomputed as
 # the forward computes it, for a caller that did not keep it.
-def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *y_ref, kind, block):
-    total = g_ref.shape[0]
+def _glu_bwd_kernel(g_ref, u_ref, dy_ref, t_ref, dg_ref, du_ref, *y_ref, kind, block):
+    total = C.read_rows(t_ref)
     acc = C.acc_dtype(g_ref.dtype)
     i = pl.program_id(0)
     mask = i * block + jnp.arange(block) < total
@@ -72,25 +72,24 @@ def _glu_bwd_kernel(g_ref, u_ref, dy_ref, dg_ref, du_ref, *y_ref, kind, block):
         C.store(y_ref[0].at[s], (a * u).astype(y_ref[0].dtype), mask=mask)
 
 
-_BLOCK = 2048  # elements per program: 8 KB..16 KB per tensor, plenty of programs at MLP sizes
+# elements per program: 8 KB..16 KB per tensor, plenty of programs at MLP sizes. One size
+# whatever the element count (a small tensor is one masked program), so the lowered module does
+# not depend on the number of rows
+_BLOCK = 2048
 
 # The lowering choice for this kernel lives here (Triton lowering; see _common).
 _launch = C.triton_call
 
 
-def _block(total):
-    return min(_BLOCK, C.next_power_of_2(max(total, 1)))
-
-
 def glu_fwd(gate, up, *, kind):
     """gate, up (...) -> ((y,), ()) with y = act(gate) * up, kind "swiglu" or "geglu"."""
     shape, total = gate.shape, gate.size
-    block = _block(total)
+    block = _BLOCK
     y = _launch(
         functools.partial(_glu_fwd_kernel, kind=kind, block=block), name=f"{kind}_fwd",
-        grid=(C.cdiv(total, block),), num_warps=C.warps_for(block) // 2 or 1,
+        grid=(C.row_programs(C.cdiv(total, block)),), num_warps=C.warps_for(block) // 2 or 1,
         out_shape=jax.ShapeDtypeStruct((total,), gate.dtype),
-    )(gate.reshape(-1), up.reshape(-1))
+    )(gate.reshape(-1), up.reshape(-1), C.rows_operand(total))
     return (y.reshape(shape),), ()
 
 
@@ -100,12 +99,12 @@ def glu_bwd(inputs, res, grads, *, kind):
     gate, up = inputs
     (dy,) = grads
     shape, total = gate.shape, gate.size
-    block = _block(total)
+    block = _BLOCK
     dg, du = _launch(
         functools.partial(_glu_bwd_kernel, kind=kind, block=block), name=f"{kind}_bwd",
-        grid=(C.cdiv(total, block),), num_warps=C.warps_for(block) // 2 or 1,
+        grid=(C.row_programs(C.cdiv(total, block)),), num_warps=C.warps_for(block) // 2 or 1,
         out_shape=(jax.ShapeDtypeStruct((total,), gate.dtype), jax.ShapeDtypeStruct((total,), up.dtype)),
-    )(gate.reshape(-1), up.reshape(-1), dy.reshape(-1))
+    )(gate.reshape(-1), up.reshape(-1), dy.reshape(-1), C.rows_operand(total))
     return dg.reshape(shape), du.reshape(shape)
 
 
@@ -113,12 +112,12 @@ def glu_bwd_act(dy, gate, up, *, kind):
     """dy, gate, up (...) -> ((d_gate, d_up, y), ()): the backward plus the forward's output y
     recomputed (the gated MLP keeps gate and up, not y)."""
     shape, total = gate.shape, gate.size
-    block = _block(total)
+    block = _BLOCK
     sds = jax.ShapeDtypeStruct((total,), gate.dtype)
     dg, du, y = _launch(
         functools.partial(_glu_bwd_kernel, kind=kind, block=block), name=f"{kind}_bwd_act",
-        grid=(C.cdiv(total, block),), num_warps=C.warps_for(block) // 2 or 1, out_shape=(sds, sds, sds),
-    )(gate.reshape(-1), up.reshape(-1), dy.reshape(-1))
+        grid=(C.row_programs(C.cdiv(total, block)),), num_warps=C.warps_for(block) // 2 or 1, out_shape=(sds, sds, sds),
+    )(gate.reshape(-1), up.reshape(-1), dy.reshape(-1), C.rows_operand(total))
     return (dg.reshape(shape), du.reshape(shape), y.reshape(shape)), ()
 
 

@@ -111,8 +111,8 @@ def _masked_dx(dxa, a_list, keeps, drops):
 
 
 # out (M, N) = base + bias + scale * xa[:, col:col+rp] b^T, written over base
-def _lora_add_kernel(base_ref, bias_ref, xa_ref, b_ref, o_ref, *, col, rp, scale, has_bias):
-    m, n = base_ref.shape
+def _lora_add_kernel(base_ref, bias_ref, xa_ref, b_ref, m_ref, o_ref, *, col, rp, scale, has_bias):
+    m, n = C.read_rows(m_ref), base_ref.shape[1]  # rows at run time (see _common.rows_operand)
     acc = C.acc_dtype(o_ref.dtype)
     rs, cs, rmask, cmask, mask = _tile(pl.program_id(0), pl.program_id(1), m, n)
     lo = _lowrank(xa_ref, b_ref, rs, cs, rmask, cmask, col, rp, acc)
@@ -129,14 +129,15 @@ def lora_add(base, bias, xa, b, *, col, scale):
     has_bias = bias is not None
     bias = bias if has_bias else jnp.zeros((1,), base.dtype)
     kern = functools.partial(_lora_add_kernel, col=col, rp=rp, scale=float(scale), has_bias=has_bias)
-    return _launch(kern, name="lora_add", grid=(C.cdiv(m, BLOCK_M), C.cdiv(n, BLOCK_N)),
-                   out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype), aliases={0: 0})(base, bias, xa, b)
+    return _launch(kern, name="lora_add", grid=(C.row_programs(C.cdiv(m, BLOCK_M)), C.cdiv(n, BLOCK_N)),
+                   out_shape=jax.ShapeDtypeStruct(base.shape, base.dtype), aliases={0: 0})(base, bias, xa, b, C.rows_operand(m))
 
 
 # g, u (M, I): base GEMMs in; out g + s_g xa_g B_g^T and u + s_u xa_u B_u^T (rounded to x's
 # dtype; backward recomputes act from them) and h = act(g) * u
-def _lora_glu_fwd_kernel(g_ref, u_ref, xa_ref, bg_ref, bu_ref, go_ref, uo_ref, h_ref, *, rp, scale_g, scale_u, gelu):
-    m, n = g_ref.shape
+def _lora_glu_fwd_kernel(g_ref, u_ref, xa_ref, bg_ref, bu_ref, m_ref, go_ref, uo_ref, h_ref, *, rp, scale_g, scale_u,
+                         gelu):
+    m, n = C.read_rows(m_ref), g_ref.shape[1]
     dt = h_ref.dtype
     acc = C.acc_dtype(dt)
     rs, cs, rmask, cmask, mask = _tile(pl.program_id(0), pl.program_id(1), m, n)
@@ -153,9 +154,9 @@ def _lora_glu_fwd_kernel(g_ref, u_ref, xa_ref, bg_ref, bu_ref, go_ref, uo_ref, h
 # dh = dh_base + drop(dha @ A_down) (dha = s_down dy B_down, A_down^T zero-padded to (I, RP); drop
 # the down adapter's dropout when drop_scale is set, keep-mask in keep_ref);
 # h = act(g) * u  =>  dg = dh * u * act'(g),  du = dh * act(g); h recomputed over dh_base
-def _lora_glu_bwd_kernel(dh_ref, g_ref, u_ref, dha_ref, adt_ref, keep_ref, dg_ref, du_ref, h_ref, *, rp, gelu,
+def _lora_glu_bwd_kernel(dh_ref, g_ref, u_ref, dha_ref, adt_ref, keep_ref, m_ref, dg_ref, du_ref, h_ref, *, rp, gelu,
                          drop_scale):
-    m, n = g_ref.shape
+    m, n = C.read_rows(m_ref), g_ref.shape[1]
     dt = g_ref.dtype
     acc = C.acc_dtype(dt)
     rs, cs, rmask, cmask, mask = _tile(pl.program_id(0), pl.program_id(1), m, n)
@@ -259,9 +260,9 @@ def lora_mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_
     xa = _adapter_in(x, [a_gate, a_up], rp, (k_g, k_u), drops[:2])  # (M, 2 RP)
     kern = functools.partial(_lora_glu_fwd_kernel, rp=rp, scale_g=float(s_g), scale_u=float(s_u), gelu=gelu)
     sds = jax.ShapeDtypeStruct((m, inter), x.dtype)
-    g, u, h = _launch(kern, name="lora_glu_fwd", grid=(C.cdiv(m, BLOCK_M), C.cdiv(inter, BLOCK_N)),
+    g, u, h = _launch(kern, name="lora_glu_fwd", grid=(C.row_programs(C.cdiv(m, BLOCK_M)), C.cdiv(inter, BLOCK_N)),
                       out_shape=(sds, sds, sds), aliases={0: 0, 1: 1})(
-        _base(x, w_gate), _base(x, w_up), xa, _pad_cols(b_gate, rp), _pad_cols(b_up, rp))
+        _base(x, w_gate), _base(x, w_up), xa, _pad_cols(b_gate, rp), _pad_cols(b_up, rp), C.rows_operand(m))
     rpd = _padded_rank(a_down.shape[0])
     ha = _dot(_drop(h.astype(ldt), k_d, drops[2]), _pad_rows(a_down, rpd), ((1,), (1,))).astype(ldt)  # (M, RPd)
     y = lora_add(_base(h, w_down), None, ha, _pad_cols(b_down, rpd), col=0, scale=s_d)
@@ -284,10 +285,10 @@ def lora_mlp_bwd(inputs, res, grads, *, scales, gelu, needs, drops=(None,) * 3):
     d_b_down = (s_d * _dot(dyl, ha[:, :r_d], ((0,), (0,)))).astype(ldt) if needs[9] else None  # (H, r)
     kern = functools.partial(_lora_glu_bwd_kernel, rp=rpd, gelu=gelu, drop_scale=drops[2])
     sds = jax.ShapeDtypeStruct((m, inter), g.dtype)
-    dg, du, h = _launch(kern, name="lora_glu_bwd", grid=(C.cdiv(m, BLOCK_M), C.cdiv(inter, BLOCK_N)),
+    dg, du, h = _launch(kern, name="lora_glu_bwd", grid=(C.row_programs(C.cdiv(m, BLOCK_M)), C.cdiv(inter, BLOCK_N)),
                         out_shape=(sds, sds, sds), aliases={0: 2})(
         _dot(dy, w_down).astype(g.dtype), g, u, dha, _pad_rows(a_down, rpd).T,
-        jnp.zeros((1, 1), jnp.uint8) if k_d is None else k_d)
+        jnp.zeros((1, 1), jnp.uint8) if k_d is None else k_d, C.rows_operand(m))
     hd = _drop(h.astype(ldt), k_d, drops[2])
     d_a_down = _dot(dha[:, :r_d], hd, ((0,), (0,))).astype(ldt) if needs[8] else None  # (r, I)
     dgl, dul = dg.astype(ldt), du.astype(ldt)

@@ -15,8 +15,8 @@ from jax.experimental import pallas as pl
 from . import _common as C
 
 
-def _rmsnorm_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, n, eps, casting, offset, block_m, block_n):
-    m = x_ref.shape[0]
+def _rmsnorm_fwd_kernel(x_ref, w_ref, m_ref, y_ref, rstd_ref, *, n, eps, casting, offset, block_m, block_n):
+    m = C.read_rows(m_ref)  # at run time: the module does not depend on the row count
     acc = C.acc_dtype(x_ref.dtype)
     i = pl.program_id(0)
     rows = i * block_m + jnp.arange(block_m)  # (BM,)
@@ -41,11 +41,14 @@ def _rmsnorm_fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, n, eps, casting, offse
 # (llama: n_hat rounded to x's dtype in dw, as in the forward; the cast is the identity for dx).
 # dw without atomics: a persistent grid of G programs, each looping over row blocks
 # pid, pid + G, ... and accumulating its own fp32 partial row; one (G, N) -> (N,) sum in XLA.
-def _rmsnorm_bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dwp_ref, *, n, casting, offset,
+def _rmsnorm_bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, m_ref, dx_ref, dwp_ref, *, n, casting, offset,
                         block_m, block_n):
-    m = x_ref.shape[0]
+    m = C.read_rows(m_ref)
     acc = C.acc_dtype(x_ref.dtype)
-    pid, g = pl.program_id(0), pl.num_programs(0)
+    pid = pl.program_id(0)
+    # the grid size as rmsnorm_bwd sets it, from the run-time row count (pl.num_programs would
+    # be the traced grid's constant)
+    g = _bwd_programs(C.cdiv_traced(m, block_m), jnp.minimum, jnp.maximum).astype(jnp.int32)
     cols = jnp.arange(block_n)
     cmask = cols < n
     cs = C.ds(0, block_n)
@@ -69,16 +72,23 @@ def _rmsnorm_bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dwp_ref, *, n, c
             n_hat = n_hat.astype(x_ref.dtype).astype(acc)
         return dw_acc + jnp.sum(dy * n_hat, axis=0)
 
-    nblk = C.cdiv(m, block_m)
-    trips = jax.lax.div(nblk - pid + g - 1, C.i32(g))  # this program's row blocks (all operands >= 0)
+    nblk = C.cdiv_traced(m, block_m)
+    trips = jax.lax.div((nblk - pid + g - 1).astype(jnp.int32), g)  # this program's row blocks (all operands >= 0)
     dw = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_n,), acc))
     C.store(dwp_ref.at[pid, cs], dw.astype(dwp_ref.dtype), mask=cmask)
 
 
-def _config(m, n):
+def _bwd_programs(blocks, lo=min, hi=max):
+    """The backward's persistent grid: about 4 programs per SM, at most one per row block
+    (at least two, _common.row_programs); ``lo``/``hi`` let the kernel compute it traced."""
+    return hi(2, lo(blocks, 4 * C.num_cores()))
+
+
+def _config(n):
     block_n = C.next_power_of_2(n)
-    # ~4K values per program: one row at hidden sizes, many rows of a 64-wide head
-    block_m = max(1, min(4096 // block_n, C.next_power_of_2(max(m, 1)), 64))
+    # ~4K values per program: one row at hidden sizes, many rows of a 64-wide head; not
+    # narrowed for few rows (the masked rows cost nothing), so the row count stays out of it
+    block_m = max(1, min(4096 // block_n, 64))
     return block_m, block_n, C.warps_for(block_m * block_n)
 
 
@@ -93,14 +103,14 @@ _launch = C.triton_call
 def rmsnorm_fwd(x, w, *, eps, casting, offset):
     """x (M, N), w (N,) -> ((y (M, N),), (rstd (M,),))."""
     m, n = x.shape
-    block_m, block_n, warps = _config(m, n)
+    block_m, block_n, warps = _config(n)
     kernel = functools.partial(_rmsnorm_fwd_kernel, n=n, eps=eps, casting=casting, offset=offset,
                                block_m=block_m, block_n=block_n)
     y, rstd = _launch(
-        kernel, name="rmsnorm_fwd", grid=(C.cdiv(m, block_m),), num_warps=warps,
+        kernel, name="rmsnorm_fwd", grid=(C.row_programs(C.cdiv(m, block_m)),), num_warps=warps,
         out_shape=(jax.ShapeDtypeStruct((m, n), out_dtype(x.dtype, w.dtype, casting)),
                    jax.ShapeDtypeStruct((m,), C.acc_dtype(x.dtype))),
-    )(x, w)
+    )(x, w, C.rows_operand(m))
     return (y,), (rstd,)
 
 
@@ -110,13 +120,13 @@ def rmsnorm_bwd(inputs, res, grads, *, eps, casting, offset):
     x, w = inputs
     (rstd,), (dy,) = res, grads
     m, n = x.shape
-    block_m, block_n, warps = _config(m, n)
-    nprog = max(1, min(C.cdiv(m, block_m), 4 * C.num_cores()))
+    block_m, block_n, warps = _config(n)
+    nprog = _bwd_programs(C.cdiv(m, block_m))
     kernel = functools.partial(_rmsnorm_bwd_kernel, n=n, casting=casting, offset=offset,
                                block_m=block_m, block_n=block_n)
     dx, dw_partial = _launch(
         kernel, name="rmsnorm_bwd", grid=(nprog,), num_warps=warps,
         out_shape=(jax.ShapeDtypeStruct((m, n), x.dtype),
                    jax.ShapeDtypeStruct((nprog, n), C.acc_dtype(x.dtype))),
-    )(x, w, rstd, dy)
+    )(x, w, rstd, dy, C.rows_operand(m))
     return dx, jnp.sum(dw_partial, axis=0).astype(w.dtype)

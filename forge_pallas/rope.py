@@ -1,7 +1,7 @@
 """Rotary position embedding (HF rotate_half), q and k in one launch, as a Pallas kernel
 (spec: forge/spec/rope.py).
 
-One program per (batch, block of positions): it loads that block's cos/sin rows once (full
+One program per (batch, block of positions), on one grid axis: it loads that block's cos/sin rows once (full
 width, as two halves, so any cos/sin is exact) and loops over every q head, then every k head.
 Each tensor comes in one of two physical layouts, static per tensor: "bhsd" (B, H, S, D) or
 "bshd" (B, S, H, D). HF builds q as a (B, S, H, D) projection viewed as (B, H, S, D) through a
@@ -26,44 +26,81 @@ LAYOUTS = ("bhsd", "bshd")
 # Backward: dx = g * cos + R^T(g * sin) with R^T(v) = [v2, -v1], i.e.
 #   dx1 = g1 c1 + g2 s2,    dx2 = g2 c2 - g1 s1,
 # the forward formula with (s1, s2) -> (-s2, -s1): one kernel, ``backward`` static.
-def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, qo_ref, ko_ref, *, q_layout, k_layout, half,
-                 block_s, block_h, backward):
+#
+# The kernel sees every tensor with the batch and sequence folded into its leading dimension,
+# so no stride depends on them: "bhsd" as (B H S, D) (row (b H + h) S + s), "bshd" as
+# (B S, H, D) (row b S + s), cos/sin as (B S, D) or (S, D). S and cos's batch count (B or 1) come
+# at run time (``seq_ref``, ``cosb_ref``), B through the grid size: the lowered module depends
+# on neither the batch nor the sequence length, only on the positions per program
+# (``_block_s``, a bucket of B S).
+def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, cosb_ref, qo_ref, ko_ref, *, q_layout, k_layout,
+                 q_heads, k_heads, half, block_s, block_h, backward):
     acc = C.acc_dtype(jnp.promote_types(q_ref.dtype, cos_ref.dtype))
-    b, j = pl.program_id(0), pl.program_id(1)
-    seq = cos_ref.shape[1]
-    cb = b * int(cos_ref.shape[0] > 1)  # broadcast cos over batch (a traced index, not a Python 0)
-    smask = j * block_s + jnp.arange(block_s) < seq  # (BS,)
+    seq = C.read_rows(seq_ref)
+    # one grid axis of B x (position blocks, at least two: see _common.row_programs); the
+    # batch count is never needed, so it stays a launch argument
+    nblk = jnp.maximum(jax.lax.div(seq + (block_s - 1), C.i32(block_s)), 2)
+    pid = pl.program_id(0)
+    b, j = jax.lax.div(pid, nblk), jax.lax.rem(pid, nblk)
+    # cos/sin hold one entry per batch entry (B) or one shared by all (1): b mod that count,
+    # read at run time like S (a static choice would lower B = 1 and B > 1 differently)
+    cb = jax.lax.rem(b, C.read_rows(cosb_ref))
+    s0 = j * block_s
+    smask = s0 + jnp.arange(block_s) < seq  # (BS,)
     mask = smask[:, None] & (jnp.arange(block_h) < half)[None, :]  # (BS, BH)
     # the second half's lanes run past D when half is not a power of two (masked); Pallas
     # rejects a static out-of-range slice start, so then make the start a traced value
     hstart = half if 2 * half >= half + block_h else half + 0 * b
-    ss, lo, hi = C.ds(j * block_s, block_s), C.ds(0, block_h), C.ds(hstart, block_h)
+    lo, hi = C.ds(0, block_h), C.ds(hstart, block_h)
 
     def ld(ref, *idx):
         return C.load(ref.at[idx], mask=mask, other=0.0).astype(acc)
 
-    c1, c2 = ld(cos_ref, cb, ss, lo), ld(cos_ref, cb, ss, hi)
-    s1, s2 = ld(sin_ref, cb, ss, lo), ld(sin_ref, cb, ss, hi)
+    cs = C.ds(cb * seq + s0, block_s)
+    c1, c2 = ld(cos_ref, cs, lo), ld(cos_ref, cs, hi)
+    s1, s2 = ld(sin_ref, cs, lo), ld(sin_ref, cs, hi)
     if backward:
         s1, s2 = -s2, -s1
 
-    def rotate_heads(x_ref, o_ref, layout):
+    def rotate_heads(x_ref, o_ref, layout, heads):
         def one_head(h, carry):
-            idx = (b, h, ss) if layout == "bhsd" else (b, ss, h)
+            if layout == "bhsd":
+                idx = (C.ds((b * heads + h) * seq + s0, block_s),)
+            else:
+                idx = (C.ds(b * seq + s0, block_s), h)
             x1, x2 = ld(x_ref, *idx, lo), ld(x_ref, *idx, hi)
             C.store(o_ref.at[(*idx, lo)], (x1 * c1 - x2 * s1).astype(o_ref.dtype), mask=mask)
             C.store(o_ref.at[(*idx, hi)], (x2 * c2 + x1 * s2).astype(o_ref.dtype), mask=mask)
             return carry
 
-        heads = x_ref.shape[1] if layout == "bhsd" else x_ref.shape[2]
         jax.lax.fori_loop(C.i32(0), C.i32(heads), one_head, 0)
 
-    rotate_heads(q_ref, qo_ref, q_layout)
-    rotate_heads(k_ref, ko_ref, k_layout)
+    rotate_heads(q_ref, qo_ref, q_layout, q_heads)
+    rotate_heads(k_ref, ko_ref, k_layout, k_heads)
 
 
 # The lowering choice for this kernel lives here (Triton lowering; see _common).
 _launch = C.triton_call
+
+
+def _block_s(rows, seq, block_h, sms=None):
+    """Positions per program for ``rows`` = B S positions: enough programs to fill the GPU
+    (about 4 per SM), tiles of at most ~2K values per half, no more than S (rounded up):
+
+        min(next_pow2(ceil(B S / (4 SMs))), next_pow2(S), 2048 / block_h)
+
+    It is the one row-dependent choice in the lowered module, so rope lowers to one module per
+    value of this (a bucket), at most log2(2048 / block_h) + 1 of them: 7 at head dim 64 (1 to
+    64 positions), 6 at 128 (1 to 32). The buckets move with the SM count: with 132 SMs the top
+    one starts at B S = 64 * 528 (docs/pallas-native.md)."""
+    sms = C.num_cores() if sms is None else sms
+    want = C.next_power_of_2(max(1, C.cdiv(rows, 4 * sms)))
+    return max(1, min(want, C.next_power_of_2(max(seq, 1)), max(1, 2048 // block_h)))
+
+
+def _fold(x, layout):
+    """(B, H, S, D) -> (B H S, D); (B, S, H, D) -> (B S, H, D)."""
+    return x.reshape(-1, x.shape[-1]) if layout == "bhsd" else x.reshape(-1, *x.shape[2:])
 
 
 def _rope(q, k, cos, sin, out_dtype, *, q_layout, k_layout, backward):
@@ -72,16 +109,19 @@ def _rope(q, k, cos, sin, out_dtype, *, q_layout, k_layout, backward):
     bsz, seq, d = q.shape[0], cos.shape[1], q.shape[-1]
     half = d // 2
     block_h = C.next_power_of_2(half)
-    # enough programs to fill the GPU (about 4 per SM), tiles of at most ~2K values per half
-    want = C.next_power_of_2(max(1, C.cdiv(bsz * seq, 4 * C.num_cores())))
-    block_s = max(1, min(want, C.next_power_of_2(max(seq, 1)), max(1, 2048 // block_h)))
-    kernel = functools.partial(_rope_kernel, q_layout=q_layout, k_layout=k_layout, half=half,
+    block_s = _block_s(bsz * seq, seq, block_h)
+    heads = {"bhsd": 1, "bshd": 2}
+    kernel = functools.partial(_rope_kernel, q_layout=q_layout, k_layout=k_layout,
+                               q_heads=q.shape[heads[q_layout]], k_heads=k.shape[heads[k_layout]],
+                               half=half,
                                block_s=block_s, block_h=block_h, backward=backward)
-    return _launch(
-        kernel, name="rope_bwd" if backward else "rope_fwd", grid=(bsz, C.cdiv(seq, block_s)),
+    qf, kf = _fold(q, q_layout), _fold(k, k_layout)
+    qo, ko = _launch(
+        kernel, name="rope_bwd" if backward else "rope_fwd", grid=(bsz * C.row_programs(C.cdiv(seq, block_s)),),
         num_warps=C.warps_for(2 * block_s * block_h) // 2 or 1,
-        out_shape=(jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct(k.shape, out_dtype)),
-    )(q, k, cos, sin)
+        out_shape=(jax.ShapeDtypeStruct(qf.shape, out_dtype), jax.ShapeDtypeStruct(kf.shape, out_dtype)),
+    )(qf, kf, cos.reshape(-1, d), sin.reshape(-1, d), C.rows_operand(seq), C.rows_operand(cos.shape[0]))
+    return qo.reshape(q.shape), ko.reshape(k.shape)
 
 
 def rope_fwd(q, k, cos, sin, *, q_layout, k_layout, in_dtype):

@@ -10,14 +10,14 @@ autograd.Functions). Under ``torch.compiler.is_compiling()`` the functional wrap
 and ``_bwd``, registered by forge.ops.library when ``forge.ops.get`` first hands out a Triton
 kernel).
 
-This module imports torch only: the op layer installs itself here (:func:`install`), never the
-other way round.
+This module imports forge._runtime only: the op layer installs itself here (:func:`install`),
+never the other way round.
 """
 from __future__ import annotations
 
-import torch
+from forge import _runtime
 
-_compiling = torch.compiler.is_compiling
+_compiling = _runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 
 
 class KernelDef:

@@ -92,10 +92,35 @@ def test_fullgraph_compile_train_and_infer(model_type, backend):
     torch._dynamo.reset()
 
 
-def _opcheck_cases(backend):
-    """(op name, args) for every op of ``backend`` at small CPU shapes: each forward op called
-    through its kernel's functional API (the args are what the API hands the op)."""
-    calls = []
+@pytest.mark.parametrize("backend", ["triton"])
+def test_dynamic_lengths_compile_once(backend):
+    # torch.compile(dynamic=True): new sequence lengths reuse the first compile (the Triton ops'
+    # fakes and static arguments hold no length; the RMSNorm eps, which dynamo first makes a
+    # symbolic float, is specialised by the op layer). Pallas's fakes take concrete shapes from
+    # JAX, so with Pallas each length compiles again (docs/design.md).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    need_backend(backend)
+    torch._dynamo.reset()
+    model = build_model("qwen2", num_hidden_layers=1)
+    ids, labels = _batch(model, s=20)
+    forge.patch(model, backend=backend, min_elements=0)
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=cnt, fullgraph=True, dynamic=True)
+    cut = {n: (ids[:, :n].contiguous(), labels[:, :n].contiguous()) for n in (8, 12, 20)}  # as a loader hands them
+    want, _ = _train_step(model, model, *cut[8])
+    got, _ = _train_step(compiled, model, *cut[8])
+    _close("loss", got, want, model.config.vocab_size)
+    frames = cnt.frame_count
+    for n in (12, 20):
+        _train_step(compiled, model, *cut[n])
+    assert cnt.frame_count == frames, f"recompiled for a new length ({cnt.frame_count} > {frames} frames)"
+    torch._dynamo.reset()
+
+
+def _kernel_calls(backend):
+    """{kernel key: make(fn) -> output(s)}: a call of each functional API of ``backend`` (and the
+    gated MLP's activation pieces, "mlp_act") at small CPU shapes, inputs requiring grad."""
     kernels = {
         "rmsnorm": lambda f: f(torch.randn(3, 16, requires_grad=True), torch.randn(16, requires_grad=True)),
         "swiglu": lambda f: f(torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)),
@@ -138,6 +163,14 @@ def _opcheck_cases(backend):
         return outs
 
     kernels["lora_qkv"], kernels["lora_mlp"], kernels["mlp_act"] = lora_qkv, lora_mlp, mlp_pieces
+    return kernels
+
+
+def _opcheck_cases(backend):
+    """(op name, args) for every op of ``backend`` at small CPU shapes: each forward op called
+    through its kernel's functional API (the args are what the API hands the op)."""
+    calls = []
+    kernels = _kernel_calls(backend)
     import unittest.mock
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -153,7 +186,9 @@ def _opcheck_cases(backend):
     for key, make in kernels.items():
         fn = ops.get(key, backend) if key != "mlp_act" else None
         with unittest.mock.patch("torch.compiler.is_compiling", lambda: True), \
-                unittest.mock.patch("forge_triton._ops._compiling", lambda: True), Record():
+                unittest.mock.patch("forge_triton._ops._compiling", lambda: True), \
+                unittest.mock.patch("bridge.core._through_ops", lambda: True), \
+                unittest.mock.patch("forge.ops._nodes._through_ops", lambda: True), Record():
             outs = make(fn)
             outs = outs if isinstance(outs, tuple) else (outs,)
             sum(o.float().sum() for o in outs).backward()
@@ -187,3 +222,56 @@ def test_opcheck_every_op(backend):
         # inputs that require grad for forward ops with a backward (their autograd is checked)
         grad = name.endswith("_fwd") and hasattr(torch.ops.forge, name.split("::")[1].removesuffix("_fwd") + "_bwd")
         torch.library.opcheck(func, _detach(args, grad), _detach(kwargs, grad))
+
+
+_THROUGH_OPS_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, "tests")
+from forge import _runtime, ops
+assert _runtime.THROUGH_OPS
+from test_compile import _kernel_calls
+out = {}
+for backend in sys.argv[1:]:
+    for key, make in _kernel_calls(backend).items():
+        if key == "mlp_act":
+            continue
+        torch.manual_seed(0)
+        with torch.profiler.profile() as prof:
+            outs = make(ops.get(key, backend))
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            sum(o.float().sum() for o in outs).backward()
+        out[backend + "/" + key] = sorted({e.name for e in prof.events() if e.name.startswith("forge::")})
+print("OPS" + json.dumps(out))
+"""
+
+
+def test_through_ops_env_routes_every_kernel():
+    # FORGE_THROUGH_OPS=1 sends every eager call through its torch.ops.forge op and registered
+    # autograd (how the GPU parity suite is run through the op layer): each kernel's forward and
+    # backward op must run; without it, eager calls take the direct path (no forge op at all)
+    import json
+    import os
+    import subprocess
+    import sys
+
+    backends = [b for b in BACKENDS if ops.availability(b)[0]]
+    env = dict(os.environ, FORGE_THROUGH_OPS="1", PYTHONPATH=os.getcwd())
+    res = subprocess.run([sys.executable, "-c", _THROUGH_OPS_SCRIPT, *backends], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = json.loads(res.stdout.split("OPS", 1)[1].strip().splitlines()[0])
+    for backend in backends:
+        for key in ("rmsnorm", "swiglu", "geglu", "rope", "gated_mlp", "fused_linear_ce", "lora_qkv", "lora_mlp"):
+            names = seen[f"{backend}/{key}"]
+            fwd = [n for n in names if n.endswith("_fwd")]
+            assert fwd and any(n.endswith("_bwd") for n in names), (backend, key, names)
+    # the direct path in this process (FORGE_THROUGH_OPS unset): no op runs
+    from forge import _runtime
+
+    assert not _runtime.THROUGH_OPS
+    f = ops.get("rmsnorm", backends[0])
+    x, w = torch.randn(3, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        f(x, w).sum().backward()
+    assert not [e.name for e in prof.events() if e.name.startswith("forge::")]

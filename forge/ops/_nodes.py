@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from .. import _runtime
 from ..spec import _check
 from ..spec import gated_mlp as mlp_spec
 from . import gated_mlp as _mlp
@@ -14,6 +15,7 @@ from . import library
 from . import precomputed as _pre
 
 _FLOATS = frozenset(_check.FLOAT_DTYPES)
+_through_ops = _runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 
 
 def gated_mlp(backend: str, mlp_act, check_devices):
@@ -30,7 +32,7 @@ def gated_mlp(backend: str, mlp_act, check_devices):
     ok = _check.Validated(64)  # (device index, dtype, act) that passed the spec's and device checks
 
     def gated_mlp(x, w_gate, w_up, w_down, *, act: str = "silu", recompute: bool = False):
-        compiling = torch.compiler.is_compiling()
+        compiling = _through_ops()
         # the common case in attribute reads; anything else takes the full checks, which raise
         if compiling or not (
                 x.dtype in _FLOATS and x.dtype is w_gate.dtype is w_up.dtype is w_down.dtype
@@ -61,7 +63,7 @@ def fused_linear_ce(backend: str, prepare, compute, one_pass):
 
     def fused_linear_ce(hidden, weight, labels, bias=None, **kwargs):
         tensors, static = prepare(hidden, weight, labels, bias, **kwargs)
-        if torch.compiler.is_compiling():
+        if _through_ops():
             return _pre.traced_apply(adaptor, tensors, static, hidden, weight, bias)
         return _pre.apply(functools.partial(compute, tensors, static), hidden, weight, bias, one_pass=one_pass)
 

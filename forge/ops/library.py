@@ -31,6 +31,7 @@ import functools
 import threading
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar as _guard_scalar
 
 NAMESPACE = "forge"
 _LOCK = threading.Lock()
@@ -44,8 +45,19 @@ def parse(static: str) -> tuple:
     return ast.literal_eval(static)
 
 
+def _concrete(v):
+    """``v`` with every number a plain Python one. Under ``torch.compile(dynamic=True)`` dynamo
+    turns float attributes of a module (an RMSNorm's eps) into symbolic floats, which a static
+    string cannot hold; ``guard_scalar`` specialises them to their value, with a guard."""
+    if isinstance(v, tuple | list):
+        return tuple(_concrete(x) for x in v)
+    if isinstance(v, bool | int | float | torch.SymInt | torch.SymFloat | torch.SymBool):
+        return _guard_scalar(v)
+    return v
+
+
 def encode(items, structure) -> str:
-    return repr((tuple(items), structure))
+    return repr((tuple((k, _concrete(v)) for k, v in items), structure))
 
 
 def _expand(tensors, present):

@@ -1,0 +1,142 @@
+"""First call of each Pallas kernel in a fresh process, the native path's disk cache cold and warm.
+
+    python bench/bench_first_call.py [--kernels rmsnorm,swiglu,geglu,rope,lora_qkv,lora_mlp] [--quick]
+
+Per kernel, two fresh subprocesses share one empty ``FORGE_CACHE_DIR``: the first ("cold")
+fills the native path's TTIR cache (and Triton's own cache, which it points at the same folder),
+the second ("warm") finds everything cached. Each imports forge, gets the pallas op, builds its
+inputs, synchronises, then times (1) the first forward call (no autograd) and (2) the first
+forward + backward (a new autograd graph: the backward's plan is built here), each to a device
+synchronise. It also reports where the plan-building time went (``bridge.native.timings()``:
+jaxpr trace, lowering to TTIR, triton.compile) and how many kernels Triton compiled. The target
+is a warm first forward + backward of at most 50 ms (docs/pallas-native.md).
+
+--quick runs on a CPU: tiny shapes, each ``pallas_call`` evaluated by JAX's interpreter
+(``bridge.native.set_launcher("jax", lower=True)``), so the first-call figures are the plan
+build plus JAX's compile of the interpreter, not a GPU number; the trace and lowering parts are
+the same work as on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as bc  # noqa: E402
+
+KERNELS = ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_mlp")
+
+_CHILD = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    t_import = time.perf_counter()
+    import forge.ops
+    from bridge import native
+    kernel, quick = sys.argv[1], sys.argv[2] == "1"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        native.set_launcher("jax", lower=True)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    m, h, i, r = (8, 64, 96, 8) if quick else (4096, 896, 4864, 16)
+    def w(*s, scale=0.1, grad=False):
+        return (torch.randn(*s, device=dev) * scale).to(dt).requires_grad_(grad)
+    def inputs(grad):
+        if kernel == "rmsnorm":
+            return (w(m, h, scale=1.0, grad=grad), w(h, scale=1.0, grad=grad)), {"eps": 1e-6}, (0, 1)
+        if kernel in ("swiglu", "geglu"):
+            return (w(m, i, grad=grad), w(m, i, grad=grad)), {}, (0, 1)
+        if kernel == "rope":
+            b, s, nh, nkv, d = (1, m, 4, 2, 16) if quick else (1, m, 14, 2, 64)
+            return ((w(b, nh, s, d, grad=grad), w(b, nkv, s, d, grad=grad), w(b, s, d), w(b, s, d)), {}, (0, 1))
+        if kernel == "lora_qkv":
+            ws = []
+            for n in (h, h // 4, h // 4):
+                ws += [w(n, h), w(n), w(r, h, grad=grad), w(n, r, grad=grad)]
+            return (w(m, h, grad=grad), *ws), {"scale_q": 2.0, "scale_k": 2.0, "scale_v": 0.5}, (0,)
+        if kernel == "lora_mlp":
+            ws = [w(i, h), w(r, h, grad=grad), w(i, r, grad=grad), w(i, h), w(r, h, grad=grad), w(i, r, grad=grad),
+                  w(h, i), w(r, i, grad=grad), w(h, r, grad=grad)]
+            return (w(m, h, grad=grad), *ws), {"scale_gate": 2.0, "scale_up": 2.0, "scale_down": 0.5}, (0,)
+        raise SystemExit(f"unknown kernel {kernel}")
+    fn = forge.ops.get(kernel, "pallas")
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    args, kw, _ = inputs(False)
+    args_g, _, _ = inputs(True)
+    sync()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn(*args, **kw)
+    sync()
+    t1 = time.perf_counter()
+    before = native.timings()
+    out = fn(*args_g, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
+    sync()
+    t2 = time.perf_counter()
+    st = native.status()
+    tm = native.timings()
+    print("RESULT " + json.dumps({
+        "fwd_ms": 1e3 * (t1 - t0), "fwd_bwd_ms": 1e3 * (t2 - t1),
+        "trace_ms": 1e3 * tm["trace"], "lower_ms": 1e3 * tm["lower"], "compile_ms": 1e3 * tm["compile"],
+        "build_ms": 1e3 * tm["build"], "bwd_build_ms": 1e3 * (tm["build"] - before["build"]),
+        "plans": st["plans"], "kernels": st["kernels"], "compiles": st["compiles"],
+        "declined": st["declined"], "available": st["available"], "reason": st["reason"]}))
+""")
+
+
+def run_child(kernel: str, quick: bool, cache: str) -> dict:
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, FORGE_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _CHILD, kernel, "1" if quick else "0"], env=env,
+                       capture_output=True, text=True, cwd=root)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    if r.returncode != 0 or not line:
+        raise RuntimeError(f"{kernel}: the child failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(line[-1][len("RESULT "):])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, JAX-evaluated kernels (CPU smoke test)")
+    bc.add_out_argument(ap)
+    a = ap.parse_args()
+    rows = []
+    for kernel in a.kernels.split(","):
+        with tempfile.TemporaryDirectory(prefix="forge-first-call-") as cache:
+            for run in ("cold", "warm"):
+                res = run_child(kernel, a.quick, cache)
+                row = {"kernel": kernel, "cache": run, **{k: (round(v, 2) if isinstance(v, float) else v)
+                                                          for k, v in res.items()}}
+                row["declined"] = json.dumps(row["declined"]) if row["declined"] else ""
+                rows.append(row)
+    cols = ["kernel", "cache", "fwd_ms", "fwd_bwd_ms", "trace_ms", "lower_ms", "compile_ms", "build_ms",
+            "plans", "kernels", "compiles"]
+    print(" ".join(f"{c:>11}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{r[c]:>11}" if not isinstance(r[c], float) else f"{r[c]:>11.1f}" for c in cols))
+        if r["declined"] or not r["available"]:
+            print(f"    (not native: {r['reason'] or r['declined']})")
+    warm = [r for r in rows if r["cache"] == "warm"]
+    paths = bc.write_results(a.out, "first_call", rows, {
+        "quick": a.quick,
+        "note": ("fresh process per row; warm = the second process on the same FORGE_CACHE_DIR; "
+                 "target: warm fwd_bwd_ms <= 50" + ("; --quick: CPU, JAX-evaluated kernels, not a GPU figure"
+                                                     if a.quick else "")),
+        "warm_max_fwd_bwd_ms": max((r["fwd_bwd_ms"] for r in warm), default=None)},
+        case="quick" if a.quick else "")
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
