@@ -19,6 +19,9 @@ mask is applied inside ``_lora_glu_bwd_kernel``. Without masks the code paths ar
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -38,8 +41,9 @@ BLOCK_N = 128
 
 
 def _block_k(r: int) -> int:
-    # tl.dot needs K >= 16; ranks above 64 loop over K
-    return max(16, min(64, triton.next_power_of_2(r)))
+    # tl.dot needs K >= 16; ranks above 64 loop over K (host-side int math: triton's
+    # next_power_of_2 is a constexpr_function on Triton 3.6, microseconds a call)
+    return max(16, min(64, _common.next_pow2(r)))
 
 
 @triton.jit
@@ -133,19 +137,23 @@ def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, 
     tl.store(dh_ptr + offs, cast(cast(a, dt).to(ACC) * u, dt), mask=mask)
 
 
-_LORA_ADD = _launch.Kernel(_lora_add_kernel)
-_LORA_GLU_FWD = _launch.Kernel(_lora_glu_fwd_kernel)
-_LORA_GLU_BWD = _launch.Kernel(_lora_glu_bwd_kernel)
+# FastKernel: the compiled launcher called directly once a specialisation is known (Triton's own
+# launch path is ~10 us more host time a call; six launches a decoder layer, forward + backward)
+_LORA_ADD = _launch.FastKernel(_lora_add_kernel)
+_LORA_GLU_FWD = _launch.FastKernel(_lora_glu_fwd_kernel)
+_LORA_GLU_BWD = _launch.FastKernel(_lora_glu_bwd_kernel)
 
 
+@functools.lru_cache(maxsize=256)
 def _consts(ldt: torch.dtype, r: int, out_dtype: torch.dtype) -> dict:
+    """The constexpr keywords of a launch (cached: the same few per model; only ever unpacked)."""
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(r),
                 ACC=_common.acc(out_dtype if out_dtype == torch.float64 else ldt),
                 UPCAST=_common.dot_upcast(), IEEE=ldt == torch.float32)
 
 
 def _grid(m, n):
-    return (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    return (_common.cdiv(m, BLOCK_M), _common.cdiv(n, BLOCK_N))
 
 
 def lora_add_(out, p, q, scale: float):
@@ -199,9 +207,16 @@ def _add_adapter_dx_(gx, dxa, a_cat, cuts, masks, ps):
 # op layer's ops (torch.ops.forge.triton_lora_*) run the same two functions. Autocast is off
 # inside both: the kernels compute in the dtypes they are given (a caller under autocast casts
 # first, as forge.patching.lora does).
+_NO_CONTEXT = contextlib.nullcontext()  # reusable, holds nothing
+
+
 def _no_autocast(tensors):
+    """Autocast off for the block on the tensors' device type; nothing to turn off (the usual
+    case) costs no context object."""
     # any device type will do when no tensor is given (every output gradient undefined)
     dev = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), "cpu")
+    if not torch.is_autocast_enabled(dev):
+        return _NO_CONTEXT
     return torch.autocast(dev, enabled=False)
 
 
