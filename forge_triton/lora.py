@@ -311,20 +311,77 @@ QKV = _ops.register(_ops.KernelDef("lora_qkv", qkv_fwd, qkv_bwd, names=qkv_spec.
                                    n_out=3, save=tuple(n for n in qkv_spec.TENSORS if n in _QKV_SAVE)))
 
 
+# The spec's checks (shapes, dtypes, devices of every argument) cost ~30 us of Python a call;
+# each signature they accept is remembered and a later call with the same one only reads it
+# (bounded caches, as the other kernels' hot paths).
+_QKV_OK = _common.Validated()
+_MLP_OK = _common.Validated()
+
+
+def _signature(extra, x, ws):
+    """What the spec's checks read of the arguments other than the masks, as a hashable key:
+    x's device, dtype and width, each weight's shape, dtype and device (None for a missing
+    bias); None when something is not a tensor (the full checks then say what is wrong)."""
+    try:
+        key = [extra, x.device, x.dtype, x.shape[-1]]
+        for t in ws:
+            key += (None, None, None) if t is None else (t.shape, t.dtype, t.device)
+        key = tuple(key)
+        hash(key)  # an unhashable act: the full checks name it
+        return key
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _hot_rest(x, scales, masks, ps, shapes) -> bool:
+    """Scales, masks and probabilities as the spec's checks accept them, in a few reads: float
+    scales; per projection no mask with probability 0.0, or a bool mask of its input's shape on
+    x's device with a float probability in [0, 1]."""
+    for s in scales:
+        if type(s) is not float:
+            return False
+    for m, p, shape in zip(masks, ps, shapes):
+        if type(p) is not float:
+            return False
+        if m is None:
+            if p != 0.0:
+                return False
+        elif not (type(m) is torch.Tensor and m.dtype is torch.bool and 0.0 <= p <= 1.0 and m.shape == shape
+                  and m.device == x.device):
+            return False
+    return True
+
+
+def _any_requires_grad(ts) -> bool:
+    for t in ts:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
              *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
              dropout_q=0.0, dropout_k=0.0, dropout_v=0.0):
     """Triton LoRA q, k, v projections (forge.spec.lora_qkv) -> (q, k, v)."""
-    qkv_spec.check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-                   scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, mask_q=mask_q, mask_k=mask_k,
-                   mask_v=mask_v, dropout_q=dropout_q, dropout_k=dropout_k, dropout_v=dropout_v)
-    _common.check_device(x=x, w_q=w_q, a_q=a_q, b_q=b_q, w_k=w_k, a_k=a_k, b_k=b_k, w_v=w_v, a_v=a_v, b_v=b_v)
-    qkv_spec.frozen(torch.is_grad_enabled(), w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
+    compiling = _ops._compiling()
+    key = None if compiling else _signature(None, x, (w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v,
+                                                      a_v, b_v))
+    if key is None or key not in _QKV_OK or not _hot_rest(
+            x, (scale_q, scale_k, scale_v), (mask_q, mask_k, mask_v), (dropout_q, dropout_k, dropout_v),
+            (x.shape,) * 3):
+        qkv_spec.check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+                       scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, mask_q=mask_q, mask_k=mask_k,
+                       mask_v=mask_v, dropout_q=dropout_q, dropout_k=dropout_k, dropout_v=dropout_v)
+        _common.check_device(x=x, w_q=w_q, a_q=a_q, b_q=b_q, w_k=w_k, a_k=a_k, b_k=b_k, w_v=w_v, a_v=a_v, b_v=b_v)
+        if key is not None:
+            _QKV_OK.add(key)
+    if torch.is_grad_enabled() and _any_requires_grad((w_q, bias_q, w_k, bias_k, w_v, bias_v)):
+        qkv_spec.frozen(True, w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
     scales = (float(scale_q), float(scale_k), float(scale_v))
     ps = tuple(float(p) if m is not None else 0.0 for m, p in ((mask_q, dropout_q), (mask_k, dropout_k),
                                                                 (mask_v, dropout_v)))
     tensors = (x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, mask_q, mask_k, mask_v)
-    if _ops._compiling():
+    if compiling:
         return _ops.call(QKV, *tensors, scales=scales, ps=ps)
     return LoraQKVFunction.apply(scales, ps, *tensors)
 
@@ -430,18 +487,27 @@ def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down
              *, scale_gate, scale_up, scale_down, act="silu", mask_gate=None, mask_up=None, mask_down=None,
              dropout_gate=0.0, dropout_up=0.0, dropout_down=0.0):
     """Triton gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y."""
-    mlp_spec.check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
-                   scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act, mask_gate=mask_gate,
-                   mask_up=mask_up, mask_down=mask_down, dropout_gate=dropout_gate, dropout_up=dropout_up,
-                   dropout_down=dropout_down)
-    _common.check_device(x=x, w_gate=w_gate, a_gate=a_gate, b_gate=b_gate, w_up=w_up, a_up=a_up,
-                         b_up=b_up, w_down=w_down, a_down=a_down, b_down=b_down)
-    mlp_spec.frozen(torch.is_grad_enabled(), w_gate=w_gate, w_up=w_up, w_down=w_down)
+    compiling = _ops._compiling()
+    key = None if compiling else _signature(act, x, (w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down,
+                                                     b_down))
+    if key is None or key not in _MLP_OK or not _hot_rest(
+            x, (scale_gate, scale_up, scale_down), (mask_gate, mask_up, mask_down),
+            (dropout_gate, dropout_up, dropout_down), (x.shape, x.shape, (*x.shape[:-1], w_gate.shape[0]))):
+        mlp_spec.check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+                       scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act,
+                       mask_gate=mask_gate, mask_up=mask_up, mask_down=mask_down, dropout_gate=dropout_gate,
+                       dropout_up=dropout_up, dropout_down=dropout_down)
+        _common.check_device(x=x, w_gate=w_gate, a_gate=a_gate, b_gate=b_gate, w_up=w_up, a_up=a_up,
+                             b_up=b_up, w_down=w_down, a_down=a_down, b_down=b_down)
+        if key is not None:
+            _MLP_OK.add(key)
+    if torch.is_grad_enabled() and _any_requires_grad((w_gate, w_up, w_down)):
+        mlp_spec.frozen(True, w_gate=w_gate, w_up=w_up, w_down=w_down)
     scales = (float(scale_gate), float(scale_up), float(scale_down))
     ps = tuple(float(p) if m is not None else 0.0 for m, p in ((mask_gate, dropout_gate), (mask_up, dropout_up),
                                                                 (mask_down, dropout_down)))
     tensors = (x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, mask_gate, mask_up, mask_down)
     gelu = act == "gelu_tanh"
-    if _ops._compiling():
+    if compiling:
         return _ops.call(MLP, *tensors, scales=scales, gelu=gelu, ps=ps)[0]
     return LoraMLPFunction.apply(scales, gelu, ps, *tensors)
