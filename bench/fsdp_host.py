@@ -119,29 +119,48 @@ def step(model, opt, ids):
     opt.zero_grad(set_to_none=True)
 
 
-def measure(a, variant, layers, rank):
-    model, opt = setup(a, variant, layers)
+def measure(a, variants, layers, rank):
+    """Every variant built side by side at ``layers`` layers, their steps interleaved (one step of
+    each in a rotating order, ``--steps`` times): the machine's drift hits all alike, and the
+    per-step difference to eager pairs steps taken moments apart."""
+    built = {v: setup(a, v, layers) for v in variants}
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
-    for _ in range(a.warmup):
-        step(model, opt, ids)
+    for v in variants:
+        for _ in range(a.warmup):
+            step(*built[v], ids)
+    times = {v: [] for v in variants}
+    for i in range(a.steps):
+        for v in variants[i % len(variants):] + variants[:i % len(variants)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(*built[v], ids)
+            times[v].append(time.perf_counter() - t0)
+    out = []
+    for v in variants:
+        model, opt = built[v]
+        r = {"variant": v, "layers": layers, "step_ms": 1e3 * statistics.median(times[v]),
+             "step_ms_min": 1e3 * min(times[v])}
+        if v != variants[0]:  # paired with the first variant's step of the same round
+            r["minus_first_ms"] = 1e3 * statistics.median(t - t0 for t, t0 in zip(times[v], times[variants[0]]))
+        r.update(_counts(a, model, opt, ids, rank, v))
+        out.append(r)
+    del built
+    return out
+
+
+def _counts(a, model, opt, ids, rank, variant):
+    """Launches, aten ops (torch.profiler: count, CPU self time), guard calls and (``--cprofile``
+    on rank 0) where the Python goes, per step of one variant."""
     LAUNCHES.clear()
-    times, cpu = [], []  # wall, and the main thread's CPU time (gloo's waits excluded)
-    for _ in range(a.steps):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        step(model, opt, ids)
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.thread_time() - c0)
-    launches = {k: v / a.steps for k, v in LAUNCHES.items()}
-    # aten ops per step, as torch.profiler counts them (rank 0's numbers kept)
+    n_prof = 3
     from torch.profiler import ProfilerActivity, profile
 
-    n_prof = 3
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(n_prof):
             step(model, opt, ids)
+    launches = {k: v / n_prof for k, v in LAUNCHES.items()}
     ops, self_ms = 0, 0.0
     per_op = collections.Counter()
     for e in prof.key_averages():
@@ -162,11 +181,8 @@ def measure(a, variant, layers, rank):
         for _ in range(a.cprofile):
             step(model, opt, ids)
     dist.barrier()
-    return {"variant": variant, "layers": layers, "step_ms": 1e3 * statistics.median(times),
-            "step_ms_min": 1e3 * min(times),
-            "step_cpu_ms": 1e3 * statistics.median(cpu), "aten_ops_per_step": ops / n_prof,
-            "aten_self_ms_per_step": self_ms / n_prof,
-            "top_ops": {k: v / n_prof for k, v in per_op.most_common(40)},
+    return {"aten_ops_per_step": ops / n_prof, "aten_self_ms_per_step": self_ms / n_prof,
+            "top_ops": {k: v / n_prof for k, v in per_op.most_common(60)},
             "launches_per_step": launches, "guard_calls": guard, "cprofile": cprof}
 
 
@@ -229,13 +245,12 @@ def main():
     try:
         for _ in range(a.rounds):
             for layers in a.layers:
-                for v in a.variants:
-                    res.append(measure(a, v, layers, rank))
+                for r in measure(a, a.variants, layers, rank):
+                    res.append(r)
                     if rank == 0:
-                        r = res[-1]
-                        print(f"{v:14s} L={layers:2d}  {r['step_ms']:8.2f} ms/step (min {r['step_ms_min']:.2f}, "
-                              f"main thread CPU {r['step_cpu_ms']:.2f})  "
-                              f"aten ops {r['aten_ops_per_step']:7.0f}  aten self {r['aten_self_ms_per_step']:7.2f} ms  "
+                        pair = f"  minus {a.variants[0]} {r['minus_first_ms']:+7.2f} ms" if "minus_first_ms" in r else ""
+                        print(f"{r['variant']:14s} L={layers:2d}  {r['step_ms']:8.2f} ms/step (min {r['step_ms_min']:.2f})"
+                              f"{pair}  aten ops {r['aten_ops_per_step']:7.0f}  "
                               f"launches {sum(r['launches_per_step'].values()):.0f}", flush=True)
         if rank == 0:
             _report(a, res)
@@ -247,12 +262,12 @@ def _report(a, res):
     by = collections.defaultdict(list)
     for r in res:
         by[(r["variant"], r["layers"])].append(r)
-    med = {k: {f: statistics.median(x[f] for x in v) for f in ("step_ms", "step_cpu_ms", "aten_ops_per_step",
-                                                                  "aten_self_ms_per_step")}
-           for k, v in by.items()}
+    fields = ("step_ms", "step_ms_min", "minus_first_ms", "aten_ops_per_step", "aten_self_ms_per_step")
+    med = {k: {f: statistics.median(x[f] for x in v) for f in fields if f in v[0]} for k, v in by.items()}
     print("\nper variant (median over rounds):")
-    for (v, layers), m in sorted(med.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        print(f"  {v:14s} L={layers:2d}  {m['step_ms']:8.2f} ms  CPU {m['step_cpu_ms']:8.2f} ms  ops {m['aten_ops_per_step']:7.0f}  "
+    for (v, layers), m in sorted(med.items(), key=lambda kv: (kv[0][1], a.variants.index(kv[0][0]))):
+        pair = f"  minus {a.variants[0]} {m['minus_first_ms']:+7.2f} ms" if "minus_first_ms" in m else ""
+        print(f"  {v:14s} L={layers:2d}  {m['step_ms']:8.2f} ms{pair}  ops {m['aten_ops_per_step']:7.0f}  "
               f"op self {m['aten_self_ms_per_step']:7.2f} ms")
     slopes = {}
     if len(a.layers) >= 2:
@@ -261,7 +276,8 @@ def _report(a, res):
         for v in a.variants:
             s = {f: (med[(v, hi)][f] - med[(v, lo)][f]) / (hi - lo) for f in med[(v, hi)]}
             slopes[v] = s
-            print(f"  {v:14s} {s['step_ms']:7.3f} ms/layer  CPU {s['step_cpu_ms']:7.3f} ms/layer  ops {s['aten_ops_per_step']:6.1f}/layer  "
+            pair = f"  minus {a.variants[0]} {s['minus_first_ms']:+7.3f} ms/layer" if "minus_first_ms" in s else ""
+            print(f"  {v:14s} {s['step_ms']:7.3f} ms/layer{pair}  ops {s['aten_ops_per_step']:6.1f}/layer  "
                   f"op self {s['aten_self_ms_per_step']:6.3f} ms/layer")
     a.out.mkdir(parents=True, exist_ok=True)
     env = {"command": " ".join(["torchrun --nproc-per-node 2"] + sys.argv), "torch": torch.__version__}
