@@ -480,7 +480,7 @@ def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
         if m and inter:
             _LORA_GLU_BWD[_grid(m, inter)](
                 dh, g, u, dg, du, dha, a_down, dha if m_d is None else m_d.view(torch.uint8),
-                drop_spec.scale(ps[2]), m, inter, r, dha.stride(0), dha.stride(1), a_down.stride(0),
+                drop_spec.scale(ps[2]), m, inter, a_down.shape[0], dha.stride(0), dha.stride(1), a_down.stride(0),
                 a_down.stride(1), DROP=m_d is not None, GELU=gelu, **_consts(ldt, a_down.shape[0], g.dtype),
                 num_warps=4)
         h = dh
