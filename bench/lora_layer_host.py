@@ -10,7 +10,7 @@ host-bound GPU step. FSDP2 does not enter here: inside a layer's forward it has 
 gathered weights in, and these projections run exactly as they do unsharded
 (bench/fsdp_host.py measures whole FSDP2 steps).
 
-    python bench/lora_layer_host.py [--dropout 0.05] [--reps 300]
+    python bench/lora_layer_host.py [--dropout 0.05] [--chunks 60] [--ops]
 """
 from __future__ import annotations
 
@@ -78,35 +78,50 @@ def layer_fn(pm, a):
     return run
 
 
-def measure(run, reps):
-    for _ in range(20):
+def _chunk_us(run, reps):
+    c0 = time.thread_time()
+    for _ in range(reps):
         run()
-    LAUNCHES.clear()
-    ts = []
-    for _ in range(5):
-        c0 = time.thread_time()
-        for _ in range(reps):
+    return 1e6 * (time.thread_time() - c0) / reps
+
+
+def measure(runs: dict, reps: int, chunks: int) -> dict:
+    """Per variant: CPU time per layer, in chunks of ``reps`` calls alternating between the
+    variants (the machine's drift hits both; each chunk is paired with the first variant's chunk
+    of the same round), then one profiled pass for the op counts."""
+    names = list(runs)
+    for run in runs.values():
+        for _ in range(20):
             run()
-        ts.append((time.thread_time() - c0) / reps)
-    launches = sum(LAUNCHES.values()) / (5 * reps)
+    ts = {n: [] for n in names}
+    launches = {}
+    for i in range(chunks):
+        for n in names[i % 2:] + names[:i % 2]:
+            before = sum(LAUNCHES.values())
+            ts[n].append(_chunk_us(runs[n], reps))
+            launches[n] = (sum(LAUNCHES.values()) - before) / reps
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(10):
-            run()
-    ops = collections.Counter()
-    kernel_ops = 0
-    py_nodes = 0
-    for e in prof.events():
-        if e.name.startswith("aten::"):
-            ops[e.name] += 1
-            if not e.cpu_children and e.name not in NO_KERNEL:
-                kernel_ops += 1
-        elif e.name.endswith("Backward") and not e.name.startswith("autograd::"):
-            py_nodes += 1  # a Python autograd.Function's backward (C++ nodes end in Backward0 etc.)
-    return {"us": 1e6 * statistics.median(ts), "us_min": 1e6 * min(ts), "kernel_ops": kernel_ops / 10,
-            "aten_ops": sum(ops.values()) / 10, "py_backward_nodes": py_nodes / 10, "launches": launches,
-            "ops": {k: v / 10 for k, v in ops.most_common()}}
+    out = {}
+    for n in names:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                runs[n]()
+        ops = collections.Counter()
+        kernel_ops = py_nodes = 0
+        for e in prof.events():
+            if e.name.startswith("aten::"):
+                ops[e.name] += 1
+                if not e.cpu_children and e.name not in NO_KERNEL:
+                    kernel_ops += 1
+            elif e.name.endswith("Backward") and not e.name.startswith("autograd::"):
+                py_nodes += 1  # a Python autograd.Function's backward (C++ nodes end in Backward0 etc.)
+        out[n] = {"us": statistics.median(ts[n]), "us_min": min(ts[n]), "kernel_ops": kernel_ops / 10,
+                  "aten_ops": sum(ops.values()) / 10, "py_backward_nodes": py_nodes / 10, "launches": launches[n],
+                  "ops": {k: v / 10 for k, v in ops.most_common()}}
+        if n != names[0]:
+            out[n]["minus_first_us"] = statistics.median(a - b for a, b in zip(ts[n], ts[names[0]]))
+    return out
 
 
 def main():
@@ -119,33 +134,25 @@ def main():
     p.add_argument("--adapter-dtype", default="fp64", choices=DTYPES)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20, help="calls per timed chunk")
+    p.add_argument("--chunks", type=int, default=60, help="timed chunks per variant, alternating")
     p.add_argument("--ops", action="store_true", help="print every aten op count per variant")
     a = p.parse_args()
     torch.set_num_threads(1)
     stub_launches()
-    pm = build(a)
-    eager = layer_fn(pm, a)
-    forge.patch(pm, backend="triton", min_elements=0, kernels=["lora_qkv", "lora_mlp"])
-    fused = layer_fn(pm, a)
-    res = collections.defaultdict(list)
-    for _ in range(a.rounds):  # interleaved: the machine's load drifts
-        forge.unpatch(pm)
-        res["eager peft"].append(measure(eager, a.reps))
-        forge.patch(pm, backend="triton", min_elements=0, kernels=["lora_qkv", "lora_mlp"])
-        res["forge"].append(measure(fused, a.reps))
+    eager, fused = build(a), build(a)  # the same weights (seeded); one left to peft, one patched
+    forge.patch(fused, backend="triton", min_elements=0, kernels=["lora_qkv", "lora_mlp"])
+    res = measure({"eager peft": layer_fn(eager, a), "forge": layer_fn(fused, a)}, a.reps, a.chunks)
     print(f"one decoder layer's LoRA projections (q, k, v, MLP), forward + backward, CPU; dropout {a.dropout}, "
           f"{a.batch}x{a.seq} tokens, hidden {a.hidden}, base {a.dtype}, adapters {a.adapter_dtype}")
-    for k, rs in res.items():
-        r = rs[-1]
-        print(f"  {k:11s} {statistics.median(x['us'] for x in rs):8.1f} us (min {min(x['us_min'] for x in rs):.1f})  "
-              f"kernel-launching aten ops {r['kernel_ops']:5.1f}  all aten ops {r['aten_ops']:5.1f}  "
-              f"Python backward nodes {r['py_backward_nodes']:.0f}  Triton launches {r['launches']:.0f}")
+    for k, r in res.items():
+        pair = f"  minus eager {r['minus_first_us']:+7.1f} us" if "minus_first_us" in r else ""
+        print(f"  {k:11s} {r['us']:8.1f} us (min {r['us_min']:.1f}){pair}  kernel-launching aten ops "
+              f"{r['kernel_ops']:5.1f}  all aten ops {r['aten_ops']:5.1f}  Python backward nodes "
+              f"{r['py_backward_nodes']:.0f}  Triton launches {r['launches']:.0f}")
     if a.ops:
-        for k, rs in res.items():
-            print(k, rs[-1]["ops"])
-
+        for k, r in res.items():
+            print(k, r["ops"])
 
 if __name__ == "__main__":
     main()
