@@ -14,15 +14,17 @@ The model: Qwen2 at small widths (the tiny matrices make each torch op cost abou
 as on a host-bound GPU step), peft LoRA r=16 with dropout on all seven projections, base weights
 in fp32 and adapters in fp64 (``--dtype``, ``--adapter-dtype``: the GPU run's bf16 base under
 fp32 adapters has the same casts, and this CPU's bf16 GEMMs are ~25x slower than fp32 ones),
-``fully_shard`` on every decoder layer and the root, AdamW. Per variant: the median step time
-and the main thread's CPU time per step (gloo's waits for the other rank are not CPU time) at
-each ``--layers`` (the difference per layer is the per-layer host cost, FSDP2's and AdamW's
-included), the aten ops per step (torch.profiler: count and CPU self time), and with
-``--cprofile`` where rank 0's Python goes. Wall times on a shared machine drift: compare
-variants within one run, rounds interleaved (``--rounds``).
+``fully_shard`` on every decoder layer and the root, AdamW with ``foreach=True`` (what it picks
+on CUDA for DTensor parameters). All variants are built side by side and their steps
+interleaved; per variant the median step time, its median difference to the first variant's
+step of the same round (paired), the aten ops per step (torch.profiler: count and CPU self time),
+the Triton launches, and with ``--cprofile`` where rank 0's Python goes; at two or more
+``--layers`` the difference per decoder layer. One rank (``--nproc-per-node 1``) measures the
+host work without waiting for another rank; with two ranks on a shared two-core machine the
+waits in gloo's collectives dominate the wall time (the op counts are the same).
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/fsdp_host.py --layers 2 6 \\
-        --variants eager forge:after forge:before [--kernels lora_qkv,lora_mlp] [--cprofile 25]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 1 bench/fsdp_host.py --layers 2 6 --steps 40 \
+        --rounds 2 --variants eager forge:after forge:before [--kernels lora_qkv,lora_mlp] [--cprofile 10]
 
 Prints one table on rank 0 and writes fsdp_host-cpu.json into --out.
 """
@@ -108,7 +110,8 @@ def setup(a, variant: str, layers: int):
     shard(model)
     if kind == "forge" and where == "after":
         forge.patch(model, **kw)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    # foreach: what AdamW picks on CUDA for DTensor parameters (the CPU default is the for-loop)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
     return model, opt
 
 
