@@ -42,8 +42,9 @@ BLOCK_N = 128
 
 def _block_k(r: int) -> int:
     # tl.dot needs K >= 16; ranks above 64 loop over K (host-side int math: triton's
-    # next_power_of_2 is a constexpr_function on Triton 3.6, microseconds a call)
-    return max(16, min(64, _common.next_pow2(r)))
+    # next_power_of_2 is a constexpr_function on Triton 3.6, microseconds a call; it stays for a
+    # symbolic rank, which the op layer's fakes may carry)
+    return max(16, min(64, _common.next_pow2(r) if type(r) is int else triton.next_power_of_2(r)))
 
 
 @triton.jit
@@ -144,12 +145,19 @@ _LORA_GLU_FWD = _launch.FastKernel(_lora_glu_fwd_kernel)
 _LORA_GLU_BWD = _launch.FastKernel(_lora_glu_bwd_kernel)
 
 
-@functools.lru_cache(maxsize=256)
-def _consts(ldt: torch.dtype, r: int, out_dtype: torch.dtype) -> dict:
-    """The constexpr keywords of a launch (cached: the same few per model; only ever unpacked)."""
+def _consts_of(ldt: torch.dtype, r, out_dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(r),
                 ACC=_common.acc(out_dtype if out_dtype == torch.float64 else ldt),
                 UPCAST=_common.dot_upcast(), IEEE=ldt == torch.float32)
+
+
+_consts_cached = functools.lru_cache(maxsize=256)(_consts_of)
+
+
+def _consts(ldt: torch.dtype, r, out_dtype: torch.dtype) -> dict:
+    """The constexpr keywords of a launch (cached: the same few per model; only ever unpacked;
+    a symbolic rank under the op layer's fakes is not hashable and is not cached)."""
+    return _consts_cached(ldt, r, out_dtype) if type(r) is int else _consts_of(ldt, r, out_dtype)
 
 
 def _grid(m, n):
