@@ -3,9 +3,10 @@ forge's ``lora_qkv`` + ``lora_mlp``, on the CPU with forge's Triton launches rep
 no-ops (as bench/fsdp_host.py; the kernels' bodies are not what a host-bound step waits on).
 
 Per variant: the main thread's CPU time per layer (q, k, v projections and the MLP, forward and
-backward, peft's LoRA on all of them), the aten ops per layer that would launch a device kernel
-(torch.profiler: leaf ops other than views and allocations), all aten ops, the Python autograd
-nodes and the Triton launches. The tensors are tiny: each op costs about its dispatch, as on a
+backward, peft's LoRA on all of them), the top-level aten ops per layer other than views and
+allocations (torch.profiler: called from Python or the autograd engine, not inside another op;
+each launches at least one kernel on a GPU), all aten ops, the Python autograd nodes and the
+Triton launches. The tensors are tiny: each op costs about its dispatch, as on a
 host-bound GPU step. FSDP2 does not enter here: inside a layer's forward it has swapped the
 gathered weights in, and these projections run exactly as they do unsharded
 (bench/fsdp_host.py measures whole FSDP2 steps).
@@ -107,18 +108,21 @@ def measure(runs: dict, reps: int, chunks: int) -> dict:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(10):
                 runs[n]()
-        ops = collections.Counter()
+        ops, top = collections.Counter(), collections.Counter()
         kernel_ops = py_nodes = 0
         for e in prof.events():
             if e.name.startswith("aten::"):
                 ops[e.name] += 1
-                if not e.cpu_children and e.name not in NO_KERNEL:
-                    kernel_ops += 1
+                parent = e.cpu_parent
+                if e.name not in NO_KERNEL and (parent is None or not parent.name.startswith("aten::")):
+                    kernel_ops += 1  # called by Python or the autograd engine, not inside another op
+                    top[e.name] += 1
             elif e.name.endswith("Backward") and not e.name.startswith("autograd::"):
                 py_nodes += 1  # a Python autograd.Function's backward (C++ nodes end in Backward0 etc.)
         out[n] = {"us": statistics.median(ts[n]), "us_min": min(ts[n]), "kernel_ops": kernel_ops / 10,
                   "aten_ops": sum(ops.values()) / 10, "py_backward_nodes": py_nodes / 10, "launches": launches[n],
-                  "ops": {k: v / 10 for k, v in ops.most_common()}}
+                  "ops": {k: v / 10 for k, v in ops.most_common()},
+                  "top_level_ops": {k: v / 10 for k, v in top.most_common()}}
         if n != names[0]:
             out[n]["minus_first_us"] = statistics.median(a - b for a, b in zip(ts[n], ts[names[0]]))
     return out
@@ -147,12 +151,13 @@ def main():
           f"{a.batch}x{a.seq} tokens, hidden {a.hidden}, base {a.dtype}, adapters {a.adapter_dtype}")
     for k, r in res.items():
         pair = f"  minus eager {r['minus_first_us']:+7.1f} us" if "minus_first_us" in r else ""
-        print(f"  {k:11s} {r['us']:8.1f} us (min {r['us_min']:.1f}){pair}  kernel-launching aten ops "
+        print(f"  {k:11s} {r['us']:8.1f} us (min {r['us_min']:.1f}){pair}  kernel-launching (top-level) aten ops "
               f"{r['kernel_ops']:5.1f}  all aten ops {r['aten_ops']:5.1f}  Python backward nodes "
               f"{r['py_backward_nodes']:.0f}  Triton launches {r['launches']:.0f}")
     if a.ops:
         for k, r in res.items():
-            print(k, r["ops"])
+            print(k, "top-level:", r["top_level_ops"])
+            print(k, "all:", r["ops"])
 
 if __name__ == "__main__":
     main()

@@ -61,6 +61,7 @@ def parse(argv=None):
     p.add_argument("--backend", default="triton", help="forge backend: triton, pallas or auto")
     p.add_argument("--patch", default="after", choices=("before", "after"), help="forge.patch before or after fully_shard")
     p.add_argument("--graphs", action="store_true", help="forge.patch(graphs=True) (FSDP2's hooks make it decline)")
+    p.add_argument("--kernels", help="forge.patch(kernels=...): a comma list, e.g. lora_qkv,lora_mlp (default: all)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -164,6 +165,13 @@ def build(a, device, dtype):
     return peft.get_peft_model(model, cfg).train()  # adapters in fp32 (peft's default)
 
 
+def patch_args(a) -> dict:
+    kw = dict(backend=a.backend, graphs=a.graphs)
+    if a.kernels:
+        kw["kernels"] = [k.strip() for k in a.kernels.split(",") if k.strip()]
+    return kw
+
+
 def shard(model):
     root = model.get_base_model()
     for layer in getattr(root, root.base_model_prefix).layers:
@@ -184,10 +192,10 @@ def train(a, mode, ids, device, out: Path) -> dict:
     model = build(a, device, dtype)
     patched = {}
     if mode == "forge" and a.patch == "before":
-        forge.patch(model, backend=a.backend, graphs=a.graphs)
+        forge.patch(model, **patch_args(a))
     shard(model)
     if mode == "forge" and a.patch == "after":
-        forge.patch(model, backend=a.backend, graphs=a.graphs)
+        forge.patch(model, **patch_args(a))
     if mode == "forge":
         patched = {"counts": dict(model._forge_patched_counts), "skipped": dict(model._forge_skipped)}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr)
