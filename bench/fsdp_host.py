@@ -251,9 +251,10 @@ def main():
                 for r in measure(a, a.variants, layers, rank):
                     res.append(r)
                     if rank == 0:
-                        pair = f"  minus {a.variants[0]} {r['minus_first_ms']:+7.2f} ms" if "minus_first_ms" in r else ""
-                        print(f"{r['variant']:14s} L={layers:2d}  {r['step_ms']:8.2f} ms/step (min {r['step_ms_min']:.2f})"
-                              f"{pair}  aten ops {r['aten_ops_per_step']:7.0f}  "
+                        pair = (f"  minus {a.variants[0]} {r['minus_first_ms']:+7.2f} ms"
+                                if "minus_first_ms" in r else "")
+                        print(f"{r['variant']:14s} L={layers:2d}  {r['step_ms']:8.2f} ms/step "
+                              f"(min {r['step_ms_min']:.2f}){pair}  aten ops {r['aten_ops_per_step']:7.0f}  "
                               f"launches {sum(r['launches_per_step'].values()):.0f}", flush=True)
         if rank == 0:
             _report(a, res)
