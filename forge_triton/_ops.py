@@ -10,12 +10,10 @@ autograd.Functions). Under ``torch.compiler.is_compiling()`` the functional wrap
 and ``_bwd``, registered by forge.ops.library when ``forge.ops.get`` first hands out a Triton
 kernel).
 
-This module imports torch and forge._runtime only: the op layer installs itself here (:func:`install`), never the
-other way round.
+This module imports forge._runtime only: the op layer installs itself here (:func:`install`),
+never the other way round.
 """
 from __future__ import annotations
-
-import torch  # noqa: F401
 
 from forge import _runtime
 
