@@ -61,6 +61,7 @@ def parse(argv=None):
     p.add_argument("--backend", default="triton", help="forge backend: triton, pallas or auto")
     p.add_argument("--patch", default="after", choices=("before", "after"), help="forge.patch before or after fully_shard")
     p.add_argument("--graphs", action="store_true", help="forge.patch(graphs=True) (FSDP2's hooks make it decline)")
+    p.add_argument("--kernels", help="forge.patch(kernels=...): a comma list, e.g. lora_qkv,lora_mlp (default: all)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -164,6 +165,13 @@ def build(a, device, dtype):
     return peft.get_peft_model(model, cfg).train()  # adapters in fp32 (peft's default)
 
 
+def patch_args(a) -> dict:
+    kw = dict(backend=a.backend, graphs=a.graphs)
+    if a.kernels:
+        kw["kernels"] = [k.strip() for k in a.kernels.split(",") if k.strip()]
+    return kw
+
+
 def shard(model):
     root = model.get_base_model()
     for layer in getattr(root, root.base_model_prefix).layers:
@@ -184,10 +192,10 @@ def train(a, mode, ids, device, out: Path) -> dict:
     model = build(a, device, dtype)
     patched = {}
     if mode == "forge" and a.patch == "before":
-        forge.patch(model, backend=a.backend, graphs=a.graphs)
+        forge.patch(model, **patch_args(a))
     shard(model)
     if mode == "forge" and a.patch == "after":
-        forge.patch(model, backend=a.backend, graphs=a.graphs)
+        forge.patch(model, **patch_args(a))
     if mode == "forge":
         patched = {"counts": dict(model._forge_patched_counts), "skipped": dict(model._forge_skipped)}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr)
@@ -264,10 +272,11 @@ def summarize_profile(prof, wall_s: float, steps: int) -> dict:
 
     bins = {"nccl (all-gather / reduce-scatter)": 0.0, "forge LoRA kernels": 0.0, "matmuls (cuBLAS)": 0.0,
             "other device kernels": 0.0}
-    top, host = [], 0.0
+    top, host, host_top = [], 0.0, []
     for e in prof.key_averages():
         if e.device_type == DeviceType.CPU:
             host += e.self_cpu_time_total / 1e3
+            host_top.append((e.self_cpu_time_total / 1e3 / steps, e.count / steps, e.key[:90]))
             continue
         ms = e.self_device_time_total / 1e3
         if ms <= 0:
@@ -284,13 +293,17 @@ def summarize_profile(prof, wall_s: float, steps: int) -> dict:
         bins[b] += ms
         top.append((ms / steps, e.count // steps, e.key[:90]))
     top.sort(reverse=True)
+    host_top.sort(reverse=True)
     per_step = {k: v / steps for k, v in bins.items()}
     compute = sum(v for k, v in per_step.items() if not k.startswith("nccl"))
     return {"wall_ms_per_step": 1e3 * wall_s, "device_ms_per_step": per_step,
             "compute_busy_ms_per_step": compute, "host_op_ms_per_step": host / steps,
             "note": "nccl kernels run on their own stream, overlapping compute; host_op_ms is the CPU self "
-                    "time of torch ops (Python between ops not included)",
-            "top_kernels_ms_per_step": [list(t) for t in top[:15]]}
+                    "time of every host event: torch ops, CUDA runtime calls, and the Python inside "
+                    "record_function ranges (FSDP2's hooks) and Python autograd nodes (forge's backward); "
+                    "Python between ops is not included",
+            "top_kernels_ms_per_step": [list(t) for t in top[:15]],
+            "top_host_ms_per_step": [[round(ms, 3), round(n, 1), k] for ms, n, k in host_top[:25]]}
 
 
 # ----------------------------------------------------------------------------------- artifacts
@@ -374,7 +387,9 @@ def main(argv=None):
                 print(f"forge vs eager: max relative loss difference {s['max_rel_loss_diff']:.2e}, "
                       f"speed-up {s['speedup_forge_vs_eager']:.2f}x")
             for m, p in s["profile"].items():
-                print(f"profile {m}: " + json.dumps({k: v for k, v in p.items() if k != "top_kernels_ms_per_step"}))
+                print(f"profile {m}: " + json.dumps({k: v for k, v in p.items() if not k.startswith("top_")}))
+                print(f"  top host events of {m} (self ms/step, calls/step, name): "
+                      + "; ".join(f"{ms:.2f} {n:.0f} {k}" for ms, n, k in p["top_host_ms_per_step"][:12]))
             print(f"artifacts in {out}")
     finally:
         dist.destroy_process_group()

@@ -19,6 +19,9 @@ mask is applied inside ``_lora_glu_bwd_kernel``. Without masks the code paths ar
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -38,8 +41,10 @@ BLOCK_N = 128
 
 
 def _block_k(r: int) -> int:
-    # tl.dot needs K >= 16; ranks above 64 loop over K
-    return max(16, min(64, triton.next_power_of_2(r)))
+    # tl.dot needs K >= 16; ranks above 64 loop over K (host-side int math: triton's
+    # next_power_of_2 is a constexpr_function on Triton 3.6, microseconds a call; it stays for a
+    # symbolic rank, which the op layer's fakes may carry)
+    return max(16, min(64, _common.next_pow2(r) if type(r) is int else triton.next_power_of_2(r)))
 
 
 @triton.jit
@@ -133,19 +138,30 @@ def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, 
     tl.store(dh_ptr + offs, cast(cast(a, dt).to(ACC) * u, dt), mask=mask)
 
 
-_LORA_ADD = _launch.Kernel(_lora_add_kernel)
-_LORA_GLU_FWD = _launch.Kernel(_lora_glu_fwd_kernel)
-_LORA_GLU_BWD = _launch.Kernel(_lora_glu_bwd_kernel)
+# FastKernel: the compiled launcher called directly once a specialisation is known (Triton's own
+# launch path is ~10 us more host time a call; six launches a decoder layer, forward + backward)
+_LORA_ADD = _launch.FastKernel(_lora_add_kernel)
+_LORA_GLU_FWD = _launch.FastKernel(_lora_glu_fwd_kernel)
+_LORA_GLU_BWD = _launch.FastKernel(_lora_glu_bwd_kernel)
 
 
-def _consts(ldt: torch.dtype, r: int, out_dtype: torch.dtype) -> dict:
+def _consts_of(ldt: torch.dtype, r, out_dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(r),
                 ACC=_common.acc(out_dtype if out_dtype == torch.float64 else ldt),
                 UPCAST=_common.dot_upcast(), IEEE=ldt == torch.float32)
 
 
+_consts_cached = functools.lru_cache(maxsize=256)(_consts_of)
+
+
+def _consts(ldt: torch.dtype, r, out_dtype: torch.dtype) -> dict:
+    """The constexpr keywords of a launch (cached: the same few per model; only ever unpacked;
+    a symbolic rank under the op layer's fakes is not hashable and is not cached)."""
+    return _consts_cached(ldt, r, out_dtype) if type(r) is int else _consts_of(ldt, r, out_dtype)
+
+
 def _grid(m, n):
-    return (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    return (_common.cdiv(m, BLOCK_M), _common.cdiv(n, BLOCK_N))
 
 
 def lora_add_(out, p, q, scale: float):
@@ -162,32 +178,56 @@ def _rows(x):
     return x.reshape(-1, x.shape[-1])  # (M, H); copies only when x's strides demand it
 
 
+_DROPOUT_BWD = torch.ops.aten.native_dropout_backward
+
+
+def _drop(t, mask, p):
+    """``drop_spec.apply(t, mask, p)``: ``t * mask * scale``. On CUDA through torch's dropout
+    backward, one kernel forming the same two products in the same order (apply's ``mul`` and
+    ``mul_`` are two launches); elsewhere apply itself."""
+    if mask is None:
+        return t
+    if t.is_cuda:
+        return _DROPOUT_BWD(t, mask, drop_spec.scale(p))
+    return drop_spec.apply(t, mask, p)
+
+
+def _no_masks(masks) -> bool:
+    for m in masks:
+        if m is not None:
+            return False
+    return True
+
+
 def _adapter_in(x2, a_list, masks, ps):
-    """x a^T for several adapters reading x, (M, sum r_p), in the adapter dtype: one GEMM when
-    none has dropout, else one per adapter on its dropped-out input."""
-    a_cat = torch.cat(a_list)  # (R, H)
-    xl = x2.to(a_cat.dtype)
-    if all(m is None for m in masks):
-        return xl @ a_cat.t(), a_cat
-    return torch.cat([drop_spec.apply(xl, m, p) @ a.t() for a, m, p in zip(a_list, masks, ps)], dim=1), a_cat
+    """x a^T for several adapters reading x, in the adapter dtype. Without dropout one GEMM reads
+    x once for all: ((M, sum r_p), the stacked A (sum r_p, H)). With dropout one GEMM per adapter
+    on its dropped-out input: ([(M, r_p) per adapter], None); nothing is stacked."""
+    if _no_masks(masks):
+        a_cat = torch.cat(a_list)  # (R, H)
+        return x2.to(a_cat.dtype) @ a_cat.t(), a_cat
+    xl = x2.to(a_list[0].dtype)
+    return [_drop(xl, m, p) @ a.t() for a, m, p in zip(a_list, masks, ps)], None
 
 
-def _adapter_grads(x2, dxa, a_cat, cuts, masks, ps):
-    """[d a_p] for adapters reading x: dxa_p^T drop_p(x); one GEMM for all when none has dropout."""
-    xl = x2.to(a_cat.dtype)
-    if all(m is None for m in masks):
+def _adapter_grads(x2, dxa, a_cat, cuts, masks, ps, ldt):
+    """[d a_p] for adapters reading x: dxa_p^T drop_p(x). Without dropout ``dxa`` is (M, R) and
+    one GEMM gives all; with dropout it is the list of (M, r_p), one GEMM each."""
+    xl = x2.to(ldt)
+    if a_cat is not None:
         ga = dxa.t() @ xl  # (R, H)
         return [ga[cuts[i]:cuts[i + 1]] for i in range(len(masks))]
-    return [dxa[:, cuts[i]:cuts[i + 1]].t() @ drop_spec.apply(xl, m, p) for i, (m, p) in enumerate(zip(masks, ps))]
+    return [d.t() @ _drop(xl, m, p) for d, m, p in zip(dxa, masks, ps)]
 
 
-def _add_adapter_dx_(gx, dxa, a_cat, cuts, masks, ps):
-    """gx (M, H) += sum_p drop_p(dxa_p a_p), the adapters' path of d x."""
-    if all(m is None for m in masks):
+def _add_adapter_dx_(gx, dxa, a_cat, a_list, masks, ps):
+    """gx (M, H) += sum_p drop_p(dxa_p a_p), the adapters' path of d x (``dxa`` as in
+    :func:`_adapter_grads`)."""
+    if a_cat is not None:
         return gx.addmm_(dxa.to(gx.dtype), a_cat.to(gx.dtype))  # one cuBLAS call, beta = 1
     lo = None  # with dropout each adapter has its own mask: summed in the adapter dtype, added once
-    for i, (m, p) in enumerate(zip(masks, ps)):
-        t = drop_spec.apply(dxa[:, cuts[i]:cuts[i + 1]] @ a_cat[cuts[i]:cuts[i + 1]], m, p)  # (M, H)
+    for d, a, m, p in zip(dxa, a_list, masks, ps):
+        t = _drop(d @ a, m, p)  # (M, H)
         lo = t if lo is None else lo.add_(t)
     return gx.add_(lo)
 
@@ -199,28 +239,41 @@ def _add_adapter_dx_(gx, dxa, a_cat, cuts, masks, ps):
 # op layer's ops (torch.ops.forge.triton_lora_*) run the same two functions. Autocast is off
 # inside both: the kernels compute in the dtypes they are given (a caller under autocast casts
 # first, as forge.patching.lora does).
+_NO_CONTEXT = contextlib.nullcontext()  # reusable, holds nothing
+
+
 def _no_autocast(tensors):
+    """Autocast off for the block on the tensors' device type; nothing to turn off (the usual
+    case) costs no context object."""
     # any device type will do when no tensor is given (every output gradient undefined)
     dev = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), "cpu")
+    if not torch.is_autocast_enabled(dev):
+        return _NO_CONTEXT
     return torch.autocast(dev, enabled=False)
 
 
 def qkv_fwd(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, mask_q=None, mask_k=None,
             mask_v=None, *, scales, ps):
-    """(q, k, v), (xa, a_cat): xa = x a^T for the three adapters (M, R), a_cat their stacked A."""
+    """(q, k, v), residuals: without dropout (xa, a_cat), xa = x a^T for the three adapters
+    (M, R) and a_cat their stacked A; with dropout (xa_q, xa_k, xa_v), each (M, r_p) from its
+    dropped-out input."""
     with _no_autocast((x,)):
         masks = tuple(drop_spec.rows(m, x.shape[-1]) for m in (mask_q, mask_k, mask_v))
         x2 = _rows(x)  # (M, H)
         ws, biases, bs = (w_q, w_k, w_v), (bias_q, bias_k, bias_v), (b_q, b_k, b_v)
-        # (M, R), R = r_q + r_k + r_v: without dropout one GEMM reads x once for all three
+        # R = r_q + r_k + r_v: without dropout one GEMM reads x once for all three
         xa, a_cat = _adapter_in(x2, (a_q, a_k, a_v), masks, ps)
-        cuts = _cuts((a_q, a_k, a_v))
+        if a_cat is not None:
+            cuts = _cuts((a_q, a_k, a_v))
+            xas, res = [xa[:, cuts[i]:cuts[i + 1]] for i in range(3)], (xa, a_cat)
+        else:
+            xas = res = tuple(xa)
         outs = []
-        for i, (w, bias, b, s) in enumerate(zip(ws, biases, bs, scales)):
+        for w, bias, b, s, xa_p in zip(ws, biases, bs, scales, xas):
             base = F.linear(x2, w, bias)  # (M, N_p), cuBLAS with the bias in its epilogue
-            lora_add_(base, xa[:, cuts[i]:cuts[i + 1]], b.t(), s)
+            lora_add_(base, xa_p, b.t(), s)
             outs.append(base.view(*x.shape[:-1], w.shape[0]))
-        return tuple(outs), (xa, a_cat)
+        return tuple(outs), res
 
 
 def _cuts(a_list):
@@ -234,37 +287,43 @@ def qkv_bwd(inputs, res, grads, needs, *, scales, ps):
     """{name: gradient} for the names ``needs`` asks for (x, a_p, b_p); ``grads`` may hold None
     for a projection whose output got no gradient (k or v unused)."""
     t = dict(zip(qkv_spec.TENSORS, inputs))
-    xa, a_cat = res
     x = t["x"]
+    a_list = [t[f"a_{p}"] for p in qkv_spec.PROJ]
     with _no_autocast((x, *grads)):
         x2 = _rows(x)
         masks = tuple(drop_spec.rows(t[f"mask_{p}"], x.shape[-1]) for p in qkv_spec.PROJ)
-        cuts = _cuts([t[f"a_{p}"] for p in qkv_spec.PROJ])
-        ldt = a_cat.dtype
+        cuts = _cuts(a_list)
+        if _no_masks(masks):
+            xa, a_cat = res
+            xas = [xa[:, cuts[i]:cuts[i + 1]] for i in range(3)]
+        else:  # with dropout: one (M, r_p) per projection, nothing stacked
+            xas, a_cat = res, None
+        ldt = a_list[0].dtype
         out = {}
         dxa_parts = []  # d xa_p = s g_p B_p, (M, r_p) each; zero for a projection with no gradient
         gx = None
         for i, (p, g) in enumerate(zip(qkv_spec.PROJ, grads)):
-            s, lo, hi = scales[i], cuts[i], cuts[i + 1]
+            s, xa_p = scales[i], xas[i]
             if g is None:
-                dxa_parts.append(xa.new_zeros((xa.shape[0], hi - lo)))
+                dxa_parts.append(xa_p.new_zeros(xa_p.shape))
                 continue
             w, b = t[f"w_{p}"], t[f"b_{p}"]
             g2 = g.reshape(-1, g.shape[-1])  # (M, N_p)
             gl = g2.to(ldt)
             dxa_parts.append((gl @ b).mul_(s))
             if needs[f"b_{p}"]:
-                out[f"b_{p}"] = (gl.t() @ xa[:, lo:hi]).mul_(s)  # d B_p = s g_p^T xa_p   (N_p, r_p)
+                out[f"b_{p}"] = (gl.t() @ xa_p).mul_(s)  # d B_p = s g_p^T xa_p   (N_p, r_p)
             if needs["x"]:
                 gx = g2 @ w if gx is None else gx.addmm_(g2, w)  # base path, accumulated in place
-        dxa = torch.cat(dxa_parts, dim=1)  # (M, R)
+        # (M, R) for the one GEMM without dropout; with dropout each part is used on its own
+        dxa = torch.cat(dxa_parts, dim=1) if a_cat is not None else dxa_parts
         if any(needs[f"a_{p}"] for p in qkv_spec.PROJ):
-            for p, ga in zip(qkv_spec.PROJ, _adapter_grads(x2, dxa, a_cat, cuts, masks, ps)):
+            for p, ga in zip(qkv_spec.PROJ, _adapter_grads(x2, dxa, a_cat, cuts, masks, ps, ldt)):
                 out[f"a_{p}"] = ga
         if needs["x"]:
             if gx is None:
                 gx = torch.zeros(x2.shape, dtype=x2.dtype, device=x2.device)
-            out["x"] = _add_adapter_dx_(gx, dxa, a_cat, cuts, masks, ps).view(x.shape)  # same buffer
+            out["x"] = _add_adapter_dx_(gx, dxa, a_cat, a_list, masks, ps).view(x.shape)  # same buffer
         return out
 
 
@@ -296,20 +355,77 @@ QKV = _ops.register(_ops.KernelDef("lora_qkv", qkv_fwd, qkv_bwd, names=qkv_spec.
                                    n_out=3, save=tuple(n for n in qkv_spec.TENSORS if n in _QKV_SAVE)))
 
 
+# The spec's checks (shapes, dtypes, devices of every argument) cost ~30 us of Python a call;
+# each signature they accept is remembered and a later call with the same one only reads it
+# (bounded caches, as the other kernels' hot paths).
+_QKV_OK = _common.Validated()
+_MLP_OK = _common.Validated()
+
+
+def _signature(extra, x, ws):
+    """What the spec's checks read of the arguments other than the masks, as a hashable key:
+    x's device, dtype and width, each weight's shape, dtype and device (None for a missing
+    bias); None when something is not a tensor (the full checks then say what is wrong)."""
+    try:
+        key = [extra, x.device, x.dtype, x.shape[-1]]
+        for t in ws:
+            key += (None, None, None) if t is None else (t.shape, t.dtype, t.device)
+        key = tuple(key)
+        hash(key)  # an unhashable act: the full checks name it
+        return key
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _hot_rest(x, scales, masks, ps, shapes) -> bool:
+    """Scales, masks and probabilities as the spec's checks accept them, in a few reads: float
+    scales; per projection no mask with probability 0.0, or a bool mask of its input's shape on
+    x's device with a float probability in [0, 1]."""
+    for s in scales:
+        if type(s) is not float:
+            return False
+    for m, p, shape in zip(masks, ps, shapes):
+        if type(p) is not float:
+            return False
+        if m is None:
+            if p != 0.0:
+                return False
+        elif not (type(m) is torch.Tensor and m.dtype is torch.bool and 0.0 <= p <= 1.0 and m.shape == shape
+                  and m.device == x.device):
+            return False
+    return True
+
+
+def _any_requires_grad(ts) -> bool:
+    for t in ts:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
              *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
              dropout_q=0.0, dropout_k=0.0, dropout_v=0.0):
     """Triton LoRA q, k, v projections (forge.spec.lora_qkv) -> (q, k, v)."""
-    qkv_spec.check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-                   scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, mask_q=mask_q, mask_k=mask_k,
-                   mask_v=mask_v, dropout_q=dropout_q, dropout_k=dropout_k, dropout_v=dropout_v)
-    _common.check_device(x=x, w_q=w_q, a_q=a_q, b_q=b_q, w_k=w_k, a_k=a_k, b_k=b_k, w_v=w_v, a_v=a_v, b_v=b_v)
-    qkv_spec.frozen(torch.is_grad_enabled(), w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
+    compiling = _ops._compiling()
+    key = None if compiling else _signature(None, x, (w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v,
+                                                      a_v, b_v))
+    if key is None or key not in _QKV_OK or not _hot_rest(
+            x, (scale_q, scale_k, scale_v), (mask_q, mask_k, mask_v), (dropout_q, dropout_k, dropout_v),
+            (x.shape,) * 3):
+        qkv_spec.check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
+                       scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, mask_q=mask_q, mask_k=mask_k,
+                       mask_v=mask_v, dropout_q=dropout_q, dropout_k=dropout_k, dropout_v=dropout_v)
+        _common.check_device(x=x, w_q=w_q, a_q=a_q, b_q=b_q, w_k=w_k, a_k=a_k, b_k=b_k, w_v=w_v, a_v=a_v, b_v=b_v)
+        if key is not None:
+            _QKV_OK.add(key)
+    if torch.is_grad_enabled() and _any_requires_grad((w_q, bias_q, w_k, bias_k, w_v, bias_v)):
+        qkv_spec.frozen(True, w_q=w_q, bias_q=bias_q, w_k=w_k, bias_k=bias_k, w_v=w_v, bias_v=bias_v)
     scales = (float(scale_q), float(scale_k), float(scale_v))
     ps = tuple(float(p) if m is not None else 0.0 for m, p in ((mask_q, dropout_q), (mask_k, dropout_k),
                                                                 (mask_v, dropout_v)))
     tensors = (x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, mask_q, mask_k, mask_v)
-    if _ops._compiling():
+    if compiling:
         return _ops.call(QKV, *tensors, scales=scales, ps=ps)
     return LoraQKVFunction.apply(scales, ps, *tensors)
 
@@ -317,8 +433,9 @@ def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, 
 # ---------------------------------------------------------------------------------------- mlp
 def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, mask_gate=None, mask_up=None,
             mask_down=None, *, scales, gelu, ps):
-    """y, (g, u, xa, ha, a_gu): the completed pre-activations, the adapters' down-projections
-    of x (gate and up side by side) and of h, and gate's and up's A stacked."""
+    """y, (g, u, xa, ha[, a_gu]): the completed pre-activations, the adapters' down-projections
+    of x (gate and up side by side) and of h, and (without dropout on gate and up) gate's and
+    up's A stacked."""
     s_g, s_u, s_d = scales
     with _no_autocast((x,)):
         m_g, m_u = (drop_spec.rows(m, x.shape[-1]) for m in (mask_gate, mask_up))
@@ -327,6 +444,8 @@ def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
         m, inter, r, r_u = x2.shape[0], w_gate.shape[0], a_gate.shape[0], a_up.shape[0]
         ldt = a_gate.dtype
         xa, a_gu = _adapter_in(x2, (a_gate, a_up), (m_g, m_u), ps[:2])  # (M, r + r_u), (r + r_u, H)
+        if a_gu is None:  # with dropout, one product each: the kernel reads both from one buffer
+            xa = torch.cat(xa, dim=1)
         g = x2 @ w_gate.t()  # (M, I) base GEMMs; the kernel completes them in place
         u = x2 @ w_up.t()
         h = _common.empty((m, inter), x2.dtype, x2.device)
@@ -335,16 +454,18 @@ def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
                 g, u, h, xa, b_gate, b_up, m, inter, r, r_u, s_g, s_u, xa.stride(0), xa.stride(1),
                 b_gate.stride(1), b_gate.stride(0), b_up.stride(1), b_up.stride(0),
                 GELU=gelu, **_consts(ldt, max(r, r_u), x2.dtype), num_warps=4)
-        ha = drop_spec.apply(h.to(ldt), m_d, ps[2]) @ a_down.t()  # (M, r)
+        ha = _drop(h.to(ldt), m_d, ps[2]) @ a_down.t()  # (M, r)
         y = h @ w_down.t()  # (M, H)
         lora_add_(y, ha, b_down.t(), s_d)
-        return (y.view(*x.shape[:-1], w_down.shape[0]),), (g, u, xa, ha, a_gu)
+        res = (g, u, xa, ha) if a_gu is None else (g, u, xa, ha, a_gu)
+        return (y.view(*x.shape[:-1], w_down.shape[0]),), res
 
 
 def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
     """{name: gradient} for the names ``needs`` asks for (x, a_p, b_p)."""
     t = dict(zip(mlp_spec.TENSORS, inputs))
-    g, u, xa, ha, a_gu = res
+    g, u, xa, ha, *rest = res
+    a_gu = rest[0] if rest else None  # None: gate or up had dropout
     x, (dy,) = t["x"], grads
     s_g, s_u, s_d = scales
     with _no_autocast((x, dy)):
@@ -354,7 +475,7 @@ def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
         w_gate, w_up, w_down = t["w_gate"], t["w_up"], t["w_down"]
         b_gate, b_up, a_down, b_down = t["b_gate"], t["b_up"], t["a_down"], t["b_down"]
         m, inter, r = g.shape[0], g.shape[1], b_gate.shape[1]  # r: gate's rank
-        ldt = a_gu.dtype
+        ldt = t["a_gate"].dtype
         out = {}
         dy2 = dy.reshape(-1, dy.shape[-1])  # (M, H)
         dyl = dy2.to(ldt)
@@ -372,20 +493,22 @@ def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
                 num_warps=4)
         h = dh
         if needs["a_down"]:
-            out["a_down"] = dha.t() @ drop_spec.apply(h.to(ldt), m_d, ps[2])  # (r, I)
+            out["a_down"] = dha.t() @ _drop(h.to(ldt), m_d, ps[2])  # (r, I)
         dgl, dul = dg.to(ldt), du.to(ldt)
-        dxa = torch.cat(((dgl @ b_gate).mul_(s_g), (dul @ b_up).mul_(s_u)), dim=1)  # (M, r + r_u)
+        dxa = [(dgl @ b_gate).mul_(s_g), (dul @ b_up).mul_(s_u)]  # (M, r), (M, r_u)
+        if a_gu is not None:
+            dxa = torch.cat(dxa, dim=1)  # (M, r + r_u): one GEMM each below
         if needs["b_gate"]:
             out["b_gate"] = (dgl.t() @ xa[:, :r]).mul_(s_g)  # (I, r)
         if needs["b_up"]:
             out["b_up"] = (dul.t() @ xa[:, r:]).mul_(s_u)
-        cuts, masks = (0, r, a_gu.shape[0]), (m_g, m_u)
+        cuts, masks = (0, r, xa.shape[1]), (m_g, m_u)
         if needs["a_gate"] or needs["a_up"]:
-            out["a_gate"], out["a_up"] = _adapter_grads(x2, dxa, a_gu, cuts, masks, ps[:2])
+            out["a_gate"], out["a_up"] = _adapter_grads(x2, dxa, a_gu, cuts, masks, ps[:2], ldt)
         if needs["x"]:
             gx = dg @ w_gate  # (M, H): base and LoRA paths accumulated into one buffer
             gx.addmm_(du, w_up)
-            out["x"] = _add_adapter_dx_(gx, dxa, a_gu, cuts, masks, ps[:2]).view(x.shape)
+            out["x"] = _add_adapter_dx_(gx, dxa, a_gu, (t["a_gate"], t["a_up"]), masks, ps[:2]).view(x.shape)
         return out
 
 
@@ -415,18 +538,27 @@ def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down
              *, scale_gate, scale_up, scale_down, act="silu", mask_gate=None, mask_up=None, mask_down=None,
              dropout_gate=0.0, dropout_up=0.0, dropout_down=0.0):
     """Triton gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y."""
-    mlp_spec.check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
-                   scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act, mask_gate=mask_gate,
-                   mask_up=mask_up, mask_down=mask_down, dropout_gate=dropout_gate, dropout_up=dropout_up,
-                   dropout_down=dropout_down)
-    _common.check_device(x=x, w_gate=w_gate, a_gate=a_gate, b_gate=b_gate, w_up=w_up, a_up=a_up,
-                         b_up=b_up, w_down=w_down, a_down=a_down, b_down=b_down)
-    mlp_spec.frozen(torch.is_grad_enabled(), w_gate=w_gate, w_up=w_up, w_down=w_down)
+    compiling = _ops._compiling()
+    key = None if compiling else _signature(act, x, (w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down,
+                                                     b_down))
+    if key is None or key not in _MLP_OK or not _hot_rest(
+            x, (scale_gate, scale_up, scale_down), (mask_gate, mask_up, mask_down),
+            (dropout_gate, dropout_up, dropout_down), (x.shape, x.shape, (*x.shape[:-1], w_gate.shape[0]))):
+        mlp_spec.check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
+                       scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act,
+                       mask_gate=mask_gate, mask_up=mask_up, mask_down=mask_down, dropout_gate=dropout_gate,
+                       dropout_up=dropout_up, dropout_down=dropout_down)
+        _common.check_device(x=x, w_gate=w_gate, a_gate=a_gate, b_gate=b_gate, w_up=w_up, a_up=a_up,
+                             b_up=b_up, w_down=w_down, a_down=a_down, b_down=b_down)
+        if key is not None:
+            _MLP_OK.add(key)
+    if torch.is_grad_enabled() and _any_requires_grad((w_gate, w_up, w_down)):
+        mlp_spec.frozen(True, w_gate=w_gate, w_up=w_up, w_down=w_down)
     scales = (float(scale_gate), float(scale_up), float(scale_down))
     ps = tuple(float(p) if m is not None else 0.0 for m, p in ((mask_gate, dropout_gate), (mask_up, dropout_up),
                                                                 (mask_down, dropout_down)))
     tensors = (x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, mask_gate, mask_up, mask_down)
     gelu = act == "gelu_tanh"
-    if _ops._compiling():
+    if compiling:
         return _ops.call(MLP, *tensors, scales=scales, gelu=gelu, ps=ps)[0]
     return LoraMLPFunction.apply(scales, gelu, ps, *tensors)

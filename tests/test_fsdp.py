@@ -122,11 +122,14 @@ CPU_TOKENS = (1, 16)  # batch x sequence per rank
 
 @pytest.fixture(scope="module")
 def cpu_results(tmp_path_factory):
-    runs = ["ref=eager:fp64", "eager=eager", "lora_ref=lora/eager:fp64", "lora_eager=lora/eager"]
+    runs = ["ref=eager:fp64", "eager=eager", "lora_ref=lora/eager:fp64", "lora_eager=lora/eager",
+            "dlora_eager=dlora/eager"]
     runs += [f"{n}={ft}{kind}" for n, (ft, kind) in CPU_RUNS.items() if ops.availability(kind.split(":")[0])[0]]
+    if ops.availability("triton")[0]:
+        runs.append("dlora_triton_after=dlora/triton:after")
     b, s = CPU_TOKENS
     return launch(tmp_path_factory.mktemp("fsdp_cpu"), runs, "--device", "cpu", "--steps", "2", "--batch", str(b),
-                  "--seq", str(s), "--grads", timeout=600)
+                  "--seq", str(s), "--grads", "--lora-dropout", "0.05", timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CPU_RUNS))
@@ -140,6 +143,26 @@ def test_fsdp2_cpu_matches_eager(cpu_results, name):
     assert_fused(info, SHAPES["cpu"]["num_hidden_layers"], lora)
     pre = "lora_" if lora else ""
     assert_rule(cpu_results, name, pre + "ref", pre + "eager", torch.float32, reduction("cpu", CPU_TOKENS[0] * CPU_TOKENS[1]))
+
+
+def test_fsdp2_cpu_lora_dropout_draws_peft_masks(cpu_results):
+    """LoRA with lora_dropout=0.05, patched after fully_shard (examples/finetune_lora_fsdp2.py's
+    setting): on the CPU forge draws exactly the masks peft draws (same RNG, same order), so
+    its losses and first-step gradients are eager peft's in fp32 up to rounding."""
+    ok, why = ops.availability("triton")
+    if not ok:
+        pytest.skip(why)
+    info = cpu_results["runs"]["dlora_triton_after"]
+    assert_fused(info, SHAPES["cpu"]["num_hidden_layers"], True)
+    k = reduction("cpu", CPU_TOKENS[0] * CPU_TOKENS[1])
+    bound = 100 * tolerance.atol(torch.float32, k)  # fp32 rounding; other masks are off by ~1e-2
+    runs = cpu_results["runs"]
+    for i, (f, e) in enumerate(zip(runs["dlora_triton_after"]["losses"], runs["dlora_eager"]["losses"])):
+        assert abs(f - e) <= bound * abs(e), f"loss at step {i}: forge {f} vs eager {e}"
+    gf, ge = cpu_results["grads"]["dlora_triton_after"], cpu_results["grads"]["dlora_eager"]
+    assert gf.keys() == ge.keys() and gf
+    for p in ge:
+        assert tolerance.rel_err(gf[p], ge[p]) <= bound, p
 
 
 # ------------------------------------------------------------------ two GPUs: NCCL, compiled kernels

@@ -415,3 +415,38 @@ def test_dropout_errors(backend, device):
     with pytest.raises(ValueError, match=r"mask_down has shape \(1, 1, 24\) but h = act\(gate\) \* up has"):
         mlp(**m["tensors"], **m["kwargs"], mask_down=torch.ones(1, 1, 24, dtype=torch.bool, device=device),
             dropout_down=0.1)
+
+
+def test_triton_remembered_signature_still_checks_every_call(device):
+    # the Triton wrappers skip the spec's checks for a signature they already accepted; what
+    # varies per call (masks, probabilities, scales, frozen base weights) is still checked
+    import forge_triton
+
+    case = qkv_case(ONE_ROW["qkv"], 8, True, torch.float32, device)
+    t, kw = case["tensors"], case["kwargs"]
+    keep = torch.ones(t["x"].shape, dtype=torch.bool, device=device)
+    forge_triton.lora_qkv(**t, **kw, mask_q=keep, dropout_q=0.1)  # accepted: remembered
+    with pytest.raises(ValueError, match="dropout_k=0.1 needs mask_k"):
+        forge_triton.lora_qkv(**t, **kw, dropout_k=0.1)
+    with pytest.raises(TypeError, match="mask_q must be torch.bool"):
+        forge_triton.lora_qkv(**t, **kw, mask_q=keep.float(), dropout_q=0.1)
+    with pytest.raises(ValueError, match="mask_v has shape"):
+        forge_triton.lora_qkv(**t, **kw, mask_v=keep[..., :3], dropout_v=0.1)
+    with pytest.raises(ValueError, match=r"dropout_q must be in \[0, 1\]"):
+        forge_triton.lora_qkv(**t, **kw, mask_q=keep, dropout_q=1.5)
+    with pytest.raises(TypeError, match="scale_k must be a number"):
+        forge_triton.lora_qkv(**t, **{**kw, "scale_k": True})
+    with pytest.raises(ValueError, match="w_k requires grad"):
+        forge_triton.lora_qkv(**{**t, "w_k": t["w_k"].detach().requires_grad_()}, **kw)
+    with pytest.raises(ValueError, match="w_v has 23 input features but x has 24"):
+        forge_triton.lora_qkv(**{**t, "w_v": t["w_v"][:, :23]}, **kw)
+    m = mlp_case(ONE_ROW["mlp"], 8, "silu", torch.float32, device)
+    forge_triton.lora_mlp(**m["tensors"], **m["kwargs"])
+    with pytest.raises(ValueError, match="act must be one of"):
+        forge_triton.lora_mlp(**m["tensors"], **{**m["kwargs"], "act": ["silu"]})
+    with pytest.raises(ValueError, match=r"mask_down has shape \(1, 1, 24\) but h = act\(gate\) \* up has"):
+        forge_triton.lora_mlp(**m["tensors"], **m["kwargs"],
+                              mask_down=torch.ones(1, 1, 24, dtype=torch.bool, device=device), dropout_down=0.1)
+    with pytest.raises(ValueError, match="w_up requires grad"):
+        forge_triton.lora_mlp(**{**m["tensors"], "w_up": m["tensors"]["w_up"].detach().requires_grad_()},
+                              **m["kwargs"])

@@ -30,12 +30,45 @@ def scale(p: float) -> float:
     return 0.0 if p >= 1 else 1.0 / (1.0 - p)
 
 
+_ONES: dict = {}  # (shape, dtype, device) -> a tensor of ones, draw()'s dropout input (read, never written)
+_ONES_KEPT = 2  # a model draws on two shapes per step (x's, and h's for the MLP's down adapter)
+
+
+def _ones(shape, dtype, device: torch.device) -> torch.Tensor:
+    key = (tuple(shape), dtype, device)
+    t = _ONES.get(key)
+    if t is None:
+        t = torch.ones(shape, dtype=dtype, device=device)
+        if len(_ONES) >= _ONES_KEPT:
+            del _ONES[next(iter(_ONES))]
+        _ONES[key] = t
+    return t
+
+
 def draw(shape, p: float, dtype: torch.dtype, device) -> torch.Tensor:
     """A bool keep-mask as ``nn.Dropout(p)`` in training would draw for a ``(shape, dtype,
     device)`` input. It runs torch's own dropout on ones: whichever kernel torch picks for that
     device (bernoulli on the CPU, the fused Philox kernel on CUDA), the mask and the RNG it
-    consumes are the ones peft's call would have had (dropout never reads the input values)."""
-    return F.dropout(torch.ones(shape, dtype=dtype, device=device), p, True) != 0
+    consumes are the ones peft's call would have had (dropout never reads the input values).
+
+    Host cost (a training step draws six masks a decoder layer): the ones are kept between calls
+    (the last two shapes, ~94 MB in fp32 at 4096 tokens of Qwen2.5-0.5B's widths; not while
+    torch.compile traces or a CUDA graph captures), and on CUDA,
+    for 0 < p < 1, the mask is ``torch.native_dropout``'s own: ``F.dropout`` is that very call
+    there (``at::dropout`` takes its fused kernel), so the mask and the RNG offsets are the same,
+    without the comparison that recovers the mask from the output. Elsewhere (the CPU's
+    bernoulli path, p = 1, an empty shape) ``F.dropout(ones) != 0`` as always."""
+    dev = device if type(device) is torch.device else torch.device(device)
+    if torch.compiler.is_compiling() or (dev.type != "cpu" and dev.index is None):
+        return F.dropout(torch.ones(shape, dtype=dtype, device=device), p, True) != 0
+    if dev.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():  # a graph's reads must stay valid at replay
+            return F.dropout(torch.ones(shape, dtype=dtype, device=device), p, True) != 0
+        ones = _ones(shape, dtype, dev)
+        if 0.0 < p < 1.0 and ones.numel():
+            return torch.native_dropout(ones, p, True)[1]
+        return F.dropout(ones, p, True) != 0
+    return F.dropout(_ones(shape, dtype, dev), p, True) != 0
 
 
 def apply(t: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
