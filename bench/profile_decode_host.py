@@ -169,6 +169,25 @@ def _graph_device_us(model, dev, n=50):
     return start.elapsed_time(end) * 1e3 / n
 
 
+def _memory(model, dev, base):
+    """Where forge's memory beyond the model goes after the timed calls (CUDA): torch's peak over
+    ``base`` (what was allocated before the first call), the static caches' bytes, and the graph
+    pool's segments: their size and the bytes live tensors hold in them (the rest is what
+    replays write: intermediates, and the allocator's segment rounding)."""
+    g = getattr(model, "_forge_graphs", None)
+    if dev.type != "cuda" or g is None:
+        return None
+    cache = sum(t.nbytes for slot in g.decode.slots.values() for ly in slot.cache.layers
+                for t in (getattr(ly, "keys", None), getattr(ly, "values", None)) if t is not None)
+    segs = [(seg["total_size"], sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated"))
+            for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) == g.pool]
+    mib = 2**20
+    return (f"peak over the model {(torch.cuda.max_memory_allocated(dev) - base) / mib:.1f} MiB, "
+            f"static caches {cache / mib:.1f} MiB, graph pool {sum(s for s, _ in segs) / mib:.1f} MiB in "
+            f"{len(segs)} segments ({sum(a for _, a in segs) / mib:.1f} MiB held by live tensors; "
+            f"segment sizes MiB: {sorted((round(s / mib, 1) for s, _ in segs), reverse=True)[:12]})")
+
+
 def run_case(model, variant, ids, kw, dev, reps):
     gen_kw = dict(kw)
     if variant == "forge graphs":
@@ -177,8 +196,11 @@ def run_case(model, variant, ids, kw, dev, reps):
     else:
         gen_kw["cache_implementation"] = "static"
     try:
+        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         for _ in range(2):
             model.generate(ids, **gen_kw)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
         runs = []
         for _ in range(reps):
             _sync(dev)
@@ -202,6 +224,7 @@ def run_case(model, variant, ids, kw, dev, reps):
         if variant == "forge graphs":
             res["stats"] = dict(model._forge_graphs.stats.as_dict(),
                                 prepared=getattr(model._forge_graphs.decode, "prepared", None))
+            res["memory"] = _memory(model, dev, base)
         return res
     finally:
         forge.unpatch(model)
@@ -264,6 +287,8 @@ def main(argv=None):
                   + f" {gd:>9} {r['total_ms']:>8.1f}", flush=True)
             if "stats" in r:
                 print("      stats:", r["stats"])
+            if r.get("memory"):
+                print("      memory:", r["memory"])
         if len(steps) == 2:
             (n1, r1), (n2, r2) = steps.items()
             print(f"      batch {b}: {n1} {r1['step']:.0f} us/step, {n2} {r2['step']:.0f} us/step: "

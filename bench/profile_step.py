@@ -7,7 +7,10 @@ and device kernels. A step whose wall time is well above its device time is host
 only less host work per call makes it faster.
 
     python bench/profile_step.py --mode train --batch 4 --seq-len 1024 \
-        --variants eager,all,fused_linear_ce [--backend triton] [--min-elements 0]
+        --variants eager,all,fused_linear_ce [--backend triton] [--min-elements 0] [--compile]
+
+With ``--compile`` each variant's model (eager: unpatched; otherwise patched first) runs under
+``torch.compile`` (default mode), compiled before it is timed; the table gives the compile time.
 
 Writes profile_step-<model>-<mode>-<B>x<S>-<backend>-<device>.{json,csv} into --out.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,6 +67,7 @@ def main(argv=None):
     p.add_argument("--min-elements", type=int, default=None)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--compile", action="store_true", help="torch.compile each variant's model (patched first)")
     p.add_argument("--quick", action="store_true", help="tiny preset on the CPU")
     bc.add_out_argument(p)
     a = p.parse_args(argv)
@@ -73,25 +78,35 @@ def main(argv=None):
     vocab = model.config.vocab_size
     b, s = (1, 16) if a.quick else (a.batch, a.seq_len)
     ids = torch.randint(0, vocab, (b, s), device=dev)
-    step = _step_fn(model, a.mode, ids)
     rows = []
     for v in a.variants.split(","):
         if v != "eager":
             kw = {} if v == "all" else {"kernels": [v]}
             forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements, **kw)
+        target, compile_s = model, None
+        if a.compile:
+            torch._dynamo.reset()
+            target = torch.compile(model)
+            t0 = time.perf_counter()
+            _step_fn(target, a.mode, ids)()
+            bc.sync()
+            compile_s = time.perf_counter() - t0
+        step = _step_fn(target, a.mode, ids)
         ms = statistics.median(_time(step, 2 if a.quick else a.steps, 1 if a.quick else 3))
-        row = {"variant": v, "ms": ms, **_profile(step, a.top)}
+        row = {"variant": v + (" + compile" if a.compile else ""), "ms": ms, "compile_s": compile_s,
+               **_profile(step, a.top)}
         if v != "eager":
             row["guard"] = model._forge_guard_stats.as_dict()
             forge.unpatch(model)
         rows.append(row)
-        print(f"== {v}: {ms:.1f} ms/step wall, device busy {row['device_busy_ms']:.1f} ms, "
+        print(f"== {row['variant']}: {ms:.1f} ms/step wall, device busy {row['device_busy_ms']:.1f} ms, "
               f"host self {row['host_self_ms']:.1f} ms (under the profiler)")
         print("   top device:", "; ".join(f"{k[:60]} {t:.2f} ms x{c}" for k, t, c in row["top_device"]))
         print("   top host:  ", "; ".join(f"{k[:40]} {t:.2f} ms x{c}" for k, t, c in row["top_host"]))
-    bc.print_table([{k: r[k] for k in ("variant", "ms", "device_busy_ms", "host_self_ms")} for r in rows],
-                   ["variant", "ms", "device_busy_ms", "host_self_ms"])
-    bc.write_results(a.out, "profile_step", rows, {"args": vars(a)}, case=f"{name}-{a.mode}-{b}x{s}-{a.backend}")
+    cols = ["variant", "ms", "device_busy_ms", "host_self_ms"] + (["compile_s"] if a.compile else [])
+    bc.print_table([{k: r[k] for k in cols} for r in rows], cols)
+    bc.write_results(a.out, "profile_step", rows, {"args": vars(a)},
+                     case=f"{name}-{a.mode}-{b}x{s}-{a.backend}{'-compile' if a.compile else ''}")
 
 
 if __name__ == "__main__":
