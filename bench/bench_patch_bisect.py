@@ -200,6 +200,9 @@ def main(argv=None):
                    help='also time every kernel under this guard in the same rotation, e.g. \'{"swiglu": 0}\'')
     p.add_argument("--lora", action="store_true", help="peft LoRA r=16 on q,k,v,o,gate,up,down")
     p.add_argument("--compile", action="store_true", help="also torch.compile(model) and forge under compile")
+    p.add_argument("--compile-kernels", default=None, metavar="K1,K2;K3",
+                   help="with --compile: also forge patched with only these kernels, then compiled "
+                        "(';' separates subsets), e.g. fused_linear_ce")
     p.add_argument("--liger", action="store_true", help="also Liger-Kernel (runs last: it patches globally)")
     p.add_argument("--graphs", action="store_true",
                    help="also every kernel with the decoder layers in CUDA graphs (forge.patch(graphs=True))")
@@ -256,8 +259,10 @@ def main(argv=None):
     if a.compile and dev.type == "cuda":
         rows.append(_run("torch.compile", model, a, ids, compile_=True))
         extras = [{}] + ([{"recompute_mlp": True}] if a.recompute_mlp and a.mode == "train" else [])
+        extras += [{"kernels": ks.split(",")} for ks in (a.compile_kernels or "").split(";") if ks]
         for kw in extras:
-            label = f"forge {b0}{''.join(f' + {k}' for k in kw)} + torch.compile"
+            label = f"forge {b0}{''.join(f' + {k}' for k in kw if k != 'kernels')}" + (
+                f" [{', '.join(kw['kernels'])}]" if "kernels" in kw else "") + " + torch.compile"
             torch._dynamo.reset()
             forge.patch(model, mode=a.mode, backend=b0, min_elements=a.min_elements, **kw)
             try:
