@@ -50,7 +50,7 @@ MIN_FUSED_ELEMENTS: dict = {
 
 
 def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, graphs=False,
-          recompute_mlp=False):
+          recompute_mlp=False, compile_kernels="auto"):
     """Swap forge's kernels into ``model`` (a qwen2/qwen3/gemma/gemma2/llama/mistral
     ``*ForCausalLM``, bare or wrapped by peft or in a ``.model``), per instance; returns it.
 
@@ -76,6 +76,12 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         its gate and up products again there: 2 x rows x intermediate activations less per layer
         (1.9 GB at Qwen2.5-0.5B 4 x 1024) for two more matrix products per layer. The MLP is then
         fused at every size unless ``min_elements`` names a threshold for it.
+    compile_kernels: which of rmsnorm, swiglu, geglu and rope run forge's kernel when the patched
+        model is traced by torch.compile; the others hand the trace transformers' code, which
+        inductor fuses with the operations around it. "auto" (default): none of them (the GLU
+        too stays forge's when recompute_mlp=True); "all": every one; or a list of keys. The fused
+        loss and the LoRA kernels always stay forge's under torch.compile. Eager calls are not
+        affected (docs/performance.md, "forge and torch.compile").
 
     Afterwards ``model._forge_patched_counts`` {key: modules or call sites replaced},
     ``model._forge_skipped`` {key: why declined}, ``model._forge_backends`` {key: backend} and
@@ -93,7 +99,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     from .patching.core import patch as _patch
 
     return _patch(model, mode=mode, backend=backend, min_elements=min_elements, kernels=kernels, graphs=graphs,
-                  recompute_mlp=recompute_mlp)
+                  recompute_mlp=recompute_mlp, compile_kernels=compile_kernels)
 
 
 def report(model):

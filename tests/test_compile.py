@@ -60,7 +60,7 @@ def test_fullgraph_compile_train_and_infer(model_type, backend):
     torch._dynamo.reset()
     model = build_model(model_type, num_hidden_layers=1)
     ids, labels = _batch(model)
-    forge.patch(model, backend=backend, min_elements=0)
+    forge.patch(model, backend=backend, min_elements=0, compile_kernels="all")
     counts = dict(model._forge_patched_counts)
     assert {"rmsnorm", "rope", "fused_linear_ce"} <= counts.keys(), model._forge_skipped
     k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
@@ -104,7 +104,7 @@ def test_dynamic_lengths_compile_once(backend):
     torch._dynamo.reset()
     model = build_model("qwen2", num_hidden_layers=1)
     ids, labels = _batch(model, s=20)
-    forge.patch(model, backend=backend, min_elements=0)
+    forge.patch(model, backend=backend, min_elements=0, compile_kernels="all")
     cnt = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=cnt, fullgraph=True, dynamic=True)
     cut = {n: (ids[:, :n].contiguous(), labels[:, :n].contiguous()) for n in (8, 12, 20)}  # as a loader hands them
@@ -116,6 +116,51 @@ def test_dynamic_lengths_compile_once(backend):
         _train_step(compiled, model, *cut[n])
     assert cnt.frame_count == frames, f"recompiled for a new length ({cnt.frame_count} > {frames} frames)"
     torch._dynamo.reset()
+
+
+def _forge_ops_traced(model, ids, labels):
+    """The kernel keys whose torch.ops.forge op the trace of a training step of ``model`` holds,
+    and its loss (aot_eager behind a backend that records dynamo's graph)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    seen = set()
+
+    def record(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+    loss, _ = _train_step(compiled, model, ids, labels)
+    torch._dynamo.reset()
+    ops_seen = {t.split(".")[1] for t in seen if t.startswith("forge.")}
+    keys = {k for k in ("rmsnorm", "rope", "gated_mlp", "swiglu", "fused_linear_ce")
+            if any(o.startswith(f"triton_{k}_") for o in ops_seen)}
+    return {"glu" if k in ("gated_mlp", "swiglu") else k for k in keys}, loss
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({}, {"fused_linear_ce"}),
+    ({"compile_kernels": "all"}, {"rmsnorm", "rope", "glu", "fused_linear_ce"}),
+    ({"compile_kernels": ["rope"]}, {"rope", "fused_linear_ce"}),
+    ({"recompute_mlp": True}, {"glu", "fused_linear_ce"}),
+])
+def test_compile_kernels_choose_what_the_trace_holds(kw, want):
+    # forge.patch(compile_kernels=): by default a torch.compile trace gets transformers' own
+    # RMSNorm, GLU and RoPE code (inductor fuses it with its neighbours) and forge's fused loss;
+    # "all" or a list keeps forge's ops; recompute_mlp keeps the GLU (its memory saving). The
+    # loss is the eager patched model's either way, and eager calls still fuse.
+    need_backend("triton")
+    model = build_model("qwen2", num_hidden_layers=1)
+    ids, labels = _batch(model)
+    forge.patch(model, backend="triton", min_elements=0, **kw)
+    got, loss = _forge_ops_traced(model, ids, labels)
+    assert got == want
+    model._forge_guard_stats.reset()
+    want_loss, _ = _train_step(model, model, ids, labels)
+    assert all(model._forge_guard_stats.as_dict()[k]["fused"] > 0 for k in ("rmsnorm", "swiglu", "rope"))
+    _close("loss", loss, want_loss, model.config.vocab_size)
 
 
 def _kernel_calls(backend):

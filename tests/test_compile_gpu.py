@@ -32,7 +32,7 @@ def _model(model_type, backend, s=128):
     model = build_model(model_type, "qwen05b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=2)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, s), generator=g).cuda()
-    forge.patch(model, backend=backend, min_elements=0)
+    forge.patch(model, backend=backend, min_elements=0, compile_kernels="all")
     return model, ids, ids.clone()
 
 

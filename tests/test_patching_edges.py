@@ -343,6 +343,18 @@ def test_min_elements_refuses_bools_and_floats(qwen2, value):
     assert not forge_entries(qwen2)
 
 
+@pytest.mark.parametrize("value, err, match", [
+    ("none", TypeError, "compile_kernels must be 'auto', 'all' or a list"),
+    (True, TypeError, "compile_kernels must be 'auto', 'all' or a list"),
+    (["rmsnorm", "fused_linear_ce"], ValueError, "the fused loss and LoRA kernels always do"),
+    (["rms_norm"], ValueError, "compile_kernels lists which of"),
+])
+def test_compile_kernels_refuses_bad_values(qwen2, value, err, match):
+    with pytest.raises(err, match=match):
+        forge.patch(qwen2, compile_kernels=value)
+    assert not forge_entries(qwen2)
+
+
 def test_forge_ops_after_plain_import():
     out = run_py("import sys, forge\n"
                  "print(callable(forge.ops.get), forge.ops.BACKENDS)\n"

@@ -46,7 +46,7 @@ from . import forwards as fw
 from . import graphs as _graphs
 from . import report as _report
 from .guard import GuardStats
-from .patcher import LAYER_KEYS, TRAIN_ONLY, Patcher, restore
+from .patcher import DEFERRED_UNDER_COMPILE, LAYER_KEYS, TRAIN_ONLY, Patcher, restore
 
 MODES = ("train", "infer")
 LORA_KEYS = ("lora_qkv", "lora_mlp")
@@ -67,7 +67,7 @@ class _State:
 # arguments and model resolution
 
 
-def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp=False):
+def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp=False, compile_kernels="auto"):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for name, v in (("graphs", graphs), ("recompute_mlp", recompute_mlp)):
@@ -102,7 +102,21 @@ def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp
         min_elements = {k: _count_arg(v) for k, v in min_elements.items()}
     elif min_elements is not None:
         min_elements = _count_arg(min_elements)
-    return mode, backend, min_elements, tuple(requested), graphs, recompute_mlp, explicit
+    return (mode, backend, min_elements, tuple(requested), graphs, recompute_mlp,
+            _compile_kernels_arg(compile_kernels), explicit)
+
+
+def _compile_kernels_arg(v):
+    """``compile_kernels`` as "auto", "all" or a sorted tuple of kernel keys."""
+    if isinstance(v, str) and v in ("auto", "all"):
+        return v
+    if isinstance(v, str) or not isinstance(v, list | tuple | set | frozenset):
+        raise TypeError(f"compile_kernels must be 'auto', 'all' or a list of kernel keys, got {v!r}")
+    bad = [k for k in v if k not in DEFERRED_UNDER_COMPILE]
+    if bad:
+        raise ValueError(f"compile_kernels lists which of {DEFERRED_UNDER_COMPILE} keep forge's kernel inside "
+                         f"torch.compile (the fused loss and LoRA kernels always do); got {bad}")
+    return tuple(sorted(v))
 
 
 def _count_arg(v) -> int:
@@ -159,23 +173,23 @@ def _arch_of(root):
 
 
 def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, graphs=False,
-          recompute_mlp=False):
+          recompute_mlp=False, compile_kernels="auto"):
     """Swap forge kernels into ``model`` (see ``forge.patch``); returns ``model``.
 
     Patching again with the same arguments is a no-op; with different ones the model is
     unpatched first. Any error while patching leaves the model unpatched.
     """
-    args = _normalize(mode, backend, min_elements, kernels, graphs, recompute_mlp)
+    args = _normalize(mode, backend, min_elements, kernels, graphs, recompute_mlp, compile_kernels)
     chain, root = _unwrap(model)
     arch = _arch_of(root)
     state = root.__dict__.get("_forge_state")
     if state is not None:
-        if state.args == args[:6]:
+        if state.args == args[:7]:
             copying.publish(state, chain, _PUBLIC)  # e.g. the wrapper of a copy whose inner model is patched
             return model
         unpatch(model)
-    mode, backend_req, min_req, requested, graphs, recompute_mlp, explicit = args
-    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp, graphs)
+    mode, backend_req, min_req, requested, graphs, recompute_mlp, compile_kernels, explicit = args
+    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp, graphs, compile_kernels)
     # an explicitly named backend that cannot run here, or not on this model, is an error
     for b in sorted({backend_req[k] for k in requested} - {"auto"}):
         ops.require(b)
@@ -199,8 +213,8 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
                  {b: ops.interpreted(b) for b in set(backends.values())})
     call = dict(mode=mode, backend=backend_req, min_elements=min_req, kernels=requested if explicit else None,
-                graphs=graphs, recompute_mlp=recompute_mlp)
-    state = _State(args[:6], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
+                graphs=graphs, recompute_mlp=recompute_mlp, compile_kernels=compile_kernels)
+    state = _State(args[:7], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
     root.__dict__["_forge_state"] = state
     copying.publish(state, chain, _PUBLIC)
     _report.log_patch(root, state, p, g)
@@ -292,7 +306,8 @@ def _apply_rmsnorm(p, arch, norms):
         w = getattr(mod, "weight", None)
         if p.is_replaced(mod) or eps_attr is None or w is None or w.dim() != 1:
             continue
-        fwd = fw.rmsnorm_forward(kernel, type(mod).forward, eps_attr, arch.norm_casting, arch.norm_offset, thr, ks)
+        fwd = fw.rmsnorm_forward(kernel, type(mod).forward, eps_attr, arch.norm_casting, arch.norm_offset, thr, ks,
+                                 defer=p.defers("rmsnorm"))
         p.replace_forward(mod, "rmsnorm", types.MethodType(fwd, mod))
     if "rmsnorm" not in p.counts:
         p.skip("rmsnorm", "no RMSNorm module has a 1-D weight and an eps attribute " + str(_arch.EPS_ATTRS))
@@ -322,7 +337,7 @@ def _apply_glu(p, arch, mlps, lora_mlps):
             continue
         width = getattr(mod.gate_proj, "out_features", None) or mod.intermediate_size
         fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod).forward, width, thr, ks,
-                             p.recompute_mlp)
+                             p.recompute_mlp, defer=p.defers(key))
         p.replace_forward(mod, key, types.MethodType(fwd, mod))
     if key not in p.counts:
         p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")
@@ -367,7 +382,7 @@ def _apply_rope(p, arch, attns):
                 # a copy of the modeling module's globals with forge's RoPE under HF's name: the
                 # module itself, and every other model using it, keep HF's function
                 g = _globals_module(g)
-                g[name] = fw.rope_function(kernel, inner.__globals__[name], thr, ks)
+                g[name] = fw.rope_function(kernel, inner.__globals__[name], thr, ks, defer=p.defers("rope"))
                 built[cls] = fw.rebuild(cls.forward, lambda f: fw.copy_function(f, g, f.__closure__))
                 weakref.finalize(built[cls], sys.modules.pop, g["__name__"], None)
             except fw.RebuildError as e:

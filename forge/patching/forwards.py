@@ -27,11 +27,15 @@ from ..spec.fused_linear_ce import check_labels
 from .guard import CAPTURE
 
 
-def rmsnorm_forward(kernel, orig, eps_attr, casting, offset, threshold, ks):
+def rmsnorm_forward(kernel, orig, eps_attr, casting, offset, threshold, ks, defer=False):
+    """``defer``: inside a torch.compile trace run ``orig`` (forge.patch(compile_kernels=)); the
+    check sits on the compile branch only, so an eager call pays nothing for it."""
     def forward(self, x):
         if x.numel() >= threshold or CAPTURE.on:
             if not _compiling():
                 ks.fused += 1
+            elif defer:
+                return orig(self, x)
             return kernel(x, self.weight, getattr(self, eps_attr), casting=casting, offset=offset)
         if not _compiling():
             ks.fallback += 1
@@ -57,17 +61,20 @@ def _plain_linear(m, dtype) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
 
 
-def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks, recompute=False):
+def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks, recompute=False, defer=False):
     """``mlp``: the gated MLP (forge.spec.gated_mlp): in train mode one autograd node under
     autograd; without autograd (either mode) bare F.linear calls around the kernel (no module
     call overhead). Taken when the three projections are plain bias-free Linears (no autocast,
     no hooks, weights not sharded); otherwise the projections run as modules around ``kernel``.
-    ``recompute``: the gated MLP keeps only its input for backward (forge.patch(recompute_mlp=))."""
+    ``recompute``: the gated MLP keeps only its input for backward (forge.patch(recompute_mlp=)).
+    ``defer``: as rmsnorm_forward's."""
     def forward(self, x):
         # activation elements of the fused call: rows x intermediate width
         if x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on:
             if not _compiling():
                 ks.fused += 1
+            elif defer:
+                return orig(self, x)
             gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
             if (mlp is not None and (train or not torch.is_grad_enabled()) and _plain_linear(gp, x.dtype)
                     and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype) and not _any_autocast()
@@ -130,7 +137,7 @@ def rebuild(fn, make_inner):
     return copy_function(fn, fn.__globals__, closure, wrapped=new_inner)
 
 
-def rope_function(kernel, orig, threshold, ks):
+def rope_function(kernel, orig, threshold, ks, defer=False):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # forge's kernel takes HF's 4-argument call (optionally unsqueeze_dim) with full-width
         # cos/sin; anything else (partial rotary, legacy position_ids) runs HF's function
@@ -138,6 +145,8 @@ def rope_function(kernel, orig, threshold, ks):
                 and (q.numel() + k.numel() >= threshold or CAPTURE.on) and cos.shape[-1] == q.shape[-1]):
             if not _compiling():
                 ks.fused += 1
+            elif defer:
+                return orig(q, k, cos, sin, *args, **kwargs)
             return kernel(q, k, cos, sin, kwargs.get("unsqueeze_dim", 1))
         if not _compiling():
             ks.fallback += 1

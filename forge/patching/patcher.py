@@ -16,6 +16,9 @@ from . import copying
 from .guard import GuardStats
 
 TRAIN_ONLY = ("fused_linear_ce", "lora_qkv", "lora_mlp")  # need a loss / adapter gradients
+# kernels whose patched forward can hand a torch.compile trace the original code instead
+# (forge.patch(compile_kernels=)); the fused loss and the LoRA kernels always stay forge's
+DEFERRED_UNDER_COMPILE = ("rmsnorm", "swiglu", "geglu", "rope")
 LAYER_KEYS = ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_mlp")  # inside decoder layers
 
 
@@ -28,7 +31,7 @@ class Patcher:
     """
 
     def __init__(self, root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp=False,
-                 graphs=False):
+                 graphs=False, compile_kernels="auto"):
         self.model, self.arch, self.mode = root, arch, mode
         self.stats = GuardStats()
         self.counts: dict[str, int] = {}
@@ -38,6 +41,7 @@ class Patcher:
         self.recompute_mlp = recompute_mlp  # the gated MLP keeps only its input (forge.patch)
         self._auto = ops.auto_order()
         self._graphs = graphs  # CUDA graphs capture Triton kernels: auto tries triton first in layers
+        self._compile_kernels = compile_kernels  # forge.patch(compile_kernels=): see defers()
         self._loaded: dict[str, tuple] = {}
         self._records: list[list] = []       # [module, had_instance_attr, old_attr, key, attr name]
         self._by_id: dict[int, list] = {}
@@ -46,6 +50,18 @@ class Patcher:
         params = list(root.parameters())
         self.device_types = frozenset(t.device.type for t in params)
         self.float64 = any(t.dtype == torch.float64 for t in params)
+
+    def defers(self, key: str) -> bool:
+        """Inside a torch.compile trace, ``key``'s patched forward runs the original code (which
+        inductor fuses with its neighbours) instead of forge's op. "auto": RMSNorm and RoPE
+        defer, and so does the GLU unless recompute_mlp asked for its memory saving; the fused
+        loss and the LoRA kernels stay forge's (inductor has no counterpart for them)."""
+        ck = self._compile_kernels
+        if ck == "all":
+            return False
+        if ck == "auto":
+            return key in DEFERRED_UNDER_COMPILE and not (self.recompute_mlp and key in ("swiglu", "geglu"))
+        return key not in ck
 
     # -- the interface the LoRA patcher uses -------------------------------------------------
     def wants(self, key: str) -> bool:
