@@ -404,7 +404,8 @@ def _kernel_key(low) -> tuple:
 def _compiled(low):
     """The installed Triton's compile of ``low``, once per module in this process: plans at
     other row counts (same TTIR, other grid) reuse it. The TTIR file is named by its hash; so
-    is Triton's own cache entry, so another process compiles nothing either."""
+    is Triton's own cache entry, so another process compiles nothing either, and finds that
+    entry through forge's index (_binary_index) without calling triton.compile."""
     key = _kernel_key(low)
     ck = _KERNELS.get(key)
     if ck is None:
@@ -418,11 +419,84 @@ def _compiled(low):
                 f.write(low.ttir)
             os.replace(tmp, path)
         t0 = time.perf_counter()
-        ck = triton.compile(path, options={"num_warps": low.num_warps, "num_stages": low.num_stages})
+        options = {"num_warps": low.num_warps, "num_stages": low.num_stages}
+        target = _target()
+        index = _binary_index(path, target, options)
+        ck = _indexed_binary(index, path, target)
+        if ck is None:
+            ck = triton.compile(path, target=target, options=options)
+            _COMPILES[0] += 1
+            _write_index(index, ck)
         _TIMES["compile"] += time.perf_counter() - t0
-        _COMPILES[0] += 1
         _KERNELS[key] = ck
     return ck
+
+
+def _target():
+    """Triton's target for torch's current CUDA device (what triton.compile would ask its driver)."""
+    from triton.backends.compiler import GPUTarget
+
+    major, minor = torch.cuda.get_device_capability()
+    return GPUTarget("cuda", 10 * major + minor, 32)
+
+
+# A warm first call must not pay triton.compile even on a cache hit: Triton's cache key hashes
+# its own sources and compiler library (~0.4 s, once a process, on the H200 host and on a CPU).
+# forge keeps an index beside each TTIR instead: Triton's cache key (its hash) and the name of
+# the entry's metadata, under a stamp of what that key covers that can be read cheaply.
+def _binary_index(path, target, options):
+    """The index file for ``path`` compiled with ``options`` for ``target`` by this Triton, or
+    None where the index must not be used (Triton set to recompile or override kernels, or
+    internals it does not have)."""
+    try:
+        import triton
+        from triton import knobs
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+
+        if knobs.compilation.always_compile or knobs.compilation.override or knobs.cache.manager_class:
+            return None
+        lib_dir = os.path.join(os.path.dirname(triton.__file__), "_C")
+        libs = sorted(n for n in os.listdir(lib_dir) if n.startswith("libtriton."))
+        stats = [(n, st.st_size, st.st_mtime_ns) for n in libs for st in [os.stat(os.path.join(lib_dir, n))]]
+        stamp = repr((triton.__version__, stats, (target.backend, target.arch, target.warp_size),
+                      sorted(options.items()), sorted(get_cache_invalidating_env_vars().items())))
+    except Exception:  # noqa: BLE001 - another Triton: no index, triton.compile as before
+        return None
+    return f"{path}.{hashlib.sha256(stamp.encode()).hexdigest()[:24]}.json"
+
+
+def _indexed_binary(index, path, target):
+    """Triton's compiled kernel for ``path`` from its own cache, found through ``index``; None
+    when there is no index or the entry is gone (then triton.compile runs)."""
+    if index is None or not os.path.exists(index):
+        return None
+    try:
+        with open(index) as f:
+            rec = json.load(f)
+        from triton._C.libtriton import ir
+        from triton.compiler.compiler import CompiledKernel, IRSource, make_backend
+        from triton.runtime.cache import get_cache_manager
+
+        group = get_cache_manager(rec["hash"]).get_group(rec["metadata"])
+        if not group or rec["metadata"] not in group:
+            return None
+        # what triton.compile builds on a cache hit, less the cache key
+        return CompiledKernel(IRSource(path, ir.context(), make_backend(target)), group, rec["hash"])
+    except Exception as e:  # noqa: BLE001 - a damaged index or entry: compile as before
+        log.debug("pallas native: index %s not used (%s)", index, e)
+        return None
+
+
+def _write_index(index, ck) -> None:
+    if index is None:
+        return
+    meta = [k for k in ck.metadata_group if k.endswith(".json") and not k.startswith("__grp__")]
+    if len(meta) != 1:
+        return
+    tmp = f"{index}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"hash": ck.hash, "metadata": meta[0]}, f)
+    os.replace(tmp, index)
 
 
 class _TritonLaunch:

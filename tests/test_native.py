@@ -463,6 +463,73 @@ def test_second_device(path, launcher):
     assert tolerance.rel_err(y.detach(), want) < 1e-5 and w.grad.device == w.device
 
 
+def _tiny_ttir(target):
+    """The TTIR of a small Triton kernel (compiled for ``target``, which needs no GPU)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1.0, mask=i < n)
+
+    src = triton.compiler.ASTSource(fn=add_one, signature={"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                                    constexprs={"BLOCK": 128})
+    return triton.compile(src, target=target).asm["ttir"]
+
+
+def test_a_warm_start_takes_tritons_binary_without_compiling(tmp_path, monkeypatch):
+    """forge's index beside a TTIR finds Triton's cache entry for it, so a later process gets the
+    compiled kernel without triton.compile (whose cache key hashes Triton's own files, ~0.4 s once
+    a process): the same binary, no compile counted. A missing entry, or a stamp that no longer
+    matches (other options here), compiles again."""
+    import types
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "forge"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    target = GPUTarget("cuda", 90, 32)
+    monkeypatch.setattr(native, "_target", lambda: target)
+    low = types.SimpleNamespace(ttir=_tiny_ttir(target), num_warps=4, num_stages=3, grid=(1, 1, 1))
+    key = native._kernel_key(low)
+    monkeypatch.delitem(native._KERNELS, key, raising=False)
+    n0 = native._COMPILES[0]
+    first = native._compiled(low)
+    assert native._COMPILES[0] == n0 + 1
+    index = list((tmp_path / "forge" / "pallas-native").glob("*.json"))
+    assert len(index) == 1
+
+    real_compile = triton.compile
+
+    def no_compile(*a, **k):
+        raise AssertionError("triton.compile called on a warm start")
+
+    monkeypatch.setattr(triton, "compile", no_compile)
+    del native._KERNELS[key]  # as in a new process
+    again = native._compiled(low)
+    assert again is not first and native._COMPILES[0] == n0 + 1
+    assert again.hash == first.hash and again.asm["cubin"] == first.asm["cubin"]
+    assert again.metadata == first.metadata and again.src.signature == first.src.signature
+
+    # Triton's entry gone: the index is not trusted, triton.compile runs (and re-indexes)
+    monkeypatch.setattr(triton, "compile", real_compile)
+    import shutil
+
+    shutil.rmtree(tmp_path / "triton")
+    del native._KERNELS[key]
+    native._compiled(low)
+    assert native._COMPILES[0] == n0 + 2
+    # other options: another stamp, another index file, a compile of its own
+    del native._KERNELS[key]
+    other = types.SimpleNamespace(**{**vars(low), "num_warps": 8})
+    native._compiled(other)
+    assert native._COMPILES[0] == n0 + 3
+    assert len(list((tmp_path / "forge" / "pallas-native").glob("*.json"))) == 2
+    native._KERNELS.pop(native._kernel_key(other), None)
+
+
 @pytest.mark.gpu
 def test_native_launch_in_a_fresh_process_is_cached(tmp_path):
     """Second process: the TTIR comes from the disk cache and Triton's own cache: the first call
