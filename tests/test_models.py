@@ -184,7 +184,7 @@ def test_torch_compile_over_patched_model(backend, device):
     torch._dynamo.reset()
     model = build_model("qwen2", device=device)
     ids, labels = batch(model, 2, 4, device, seed=11)
-    forge.patch(model, backend=backend, min_elements=0)
+    forge.patch(model, backend=backend, min_elements=0, compile_kernels="all")  # every kernel's op in the graph
 
     def step(m):
         model.zero_grad(set_to_none=True)

@@ -463,19 +463,19 @@ def test_second_device(path, launcher):
     assert tolerance.rel_err(y.detach(), want) < 1e-5 and w.grad.device == w.device
 
 
-def _tiny_ttir(target):
-    """The TTIR of a small Triton kernel (compiled for ``target``, which needs no GPU)."""
-    import triton
-    import triton.language as tl
+def _rmsnorm_lowered():
+    """forge's Pallas RMSNorm forward lowered to TTIR by JAX (no GPU needed)."""
+    import functools
 
-    @triton.jit
-    def add_one(x_ptr, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1.0, mask=i < n)
+    import jax
+    import jax.numpy as jnp
 
-    src = triton.compiler.ASTSource(fn=add_one, signature={"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
-                                    constexprs={"BLOCK": 128})
-    return triton.compile(src, target=target).asm["ttir"]
+    from forge_pallas import rmsnorm as k
+
+    fn = functools.partial(k.rmsnorm_fwd, eps=1e-6, casting="llama", offset=0.0)
+    [eqn] = native.pallas_eqns(fn, (jax.ShapeDtypeStruct((256, 128), jnp.float32),
+                                    jax.ShapeDtypeStruct((128,), jnp.float32)))
+    return JI.lower_pallas_call(eqn)
 
 
 def test_a_warm_start_takes_tritons_binary_without_compiling(tmp_path, monkeypatch):
@@ -492,7 +492,9 @@ def test_a_warm_start_takes_tritons_binary_without_compiling(tmp_path, monkeypat
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     target = GPUTarget("cuda", 90, 32)
     monkeypatch.setattr(native, "_target", lambda: target)
-    low = types.SimpleNamespace(ttir=_tiny_ttir(target), num_warps=4, num_stages=3, grid=(1, 1, 1))
+    lowered = _rmsnorm_lowered()
+    low = types.SimpleNamespace(ttir=lowered.ttir, num_warps=lowered.num_warps, num_stages=lowered.num_stages,
+                                grid=lowered.grid)
     key = native._kernel_key(low)
     monkeypatch.delitem(native._KERNELS, key, raising=False)
     n0 = native._COMPILES[0]
@@ -523,7 +525,7 @@ def test_a_warm_start_takes_tritons_binary_without_compiling(tmp_path, monkeypat
     assert native._COMPILES[0] == n0 + 2
     # other options: another stamp, another index file, a compile of its own
     del native._KERNELS[key]
-    other = types.SimpleNamespace(**{**vars(low), "num_warps": 8})
+    other = types.SimpleNamespace(**{**vars(low), "num_warps": 2 * low.num_warps})
     native._compiled(other)
     assert native._COMPILES[0] == n0 + 3
     assert len(list((tmp_path / "forge" / "pallas-native").glob("*.json"))) == 2
