@@ -433,11 +433,10 @@ def _compiled(low):
 
 
 def _target():
-    """Triton's target for torch's current CUDA device (what triton.compile would ask its driver)."""
-    from triton.backends.compiler import GPUTarget
+    """The target triton.compile would take by default: its driver's, for the current device."""
+    from triton.runtime import driver
 
-    major, minor = torch.cuda.get_device_capability()
-    return GPUTarget("cuda", 10 * major + minor, 32)
+    return driver.active.get_current_target()
 
 
 # A warm first call must not pay triton.compile even on a cache hit: Triton's cache key hashes
