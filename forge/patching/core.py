@@ -38,7 +38,7 @@ import weakref
 from torch import nn
 
 from .. import errors, ops
-from ..spec import KERNELS
+from ..spec import KERNELS, lora_dropout
 from . import arch as _arch
 from . import decode as _decode
 from . import copying
@@ -231,6 +231,7 @@ def unpatch(model):
     if state is None:
         return model
     restore(state.records)
+    lora_dropout.release()  # the dropout draws' kept ones (the next draw of any model makes them again)
     for obj in state.chain:
         for name in _PUBLIC + copying.HOOKS:
             obj.__dict__.pop(name, None)

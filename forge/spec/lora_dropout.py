@@ -34,6 +34,12 @@ _ONES: dict = {}  # (shape, dtype, device) -> a tensor of ones, draw()'s dropout
 _ONES_KEPT = 2  # a model draws on two shapes per step (x's, and h's for the MLP's down adapter)
 
 
+def release() -> None:
+    """Drop the kept ones (forge.unpatch calls it: nothing of forge's stays allocated after a
+    model is unpatched and deleted; the next draw makes them again)."""
+    _ONES.clear()
+
+
 def _ones(shape, dtype, device: torch.device) -> torch.Tensor:
     key = (tuple(shape), dtype, device)
     t = _ONES.get(key)
