@@ -13,8 +13,11 @@ generate(max_new_tokens=1), ``total_s`` the median of --reps timed full calls, `
 batch x new / total_s and ``decode_tok_s`` = batch x (new - 1) / (total_s - ttft). ``peak_MiB``
 is torch's peak allocated memory during the timed calls plus, with graphs, the graph pool's
 bytes no live tensor holds (torch's counter does not see what replays write there).
-``same_tokens`` is the fraction of sequences identical to eager's (random bf16 weights have near
-ties: not every mismatch is an error; tests/test_decode.py holds the correctness rule).
+``same_tokens`` is the fraction of sequences identical to eager's and ``agree_tokens`` the mean
+number of new tokens before a sequence first differs from eager's (random bf16 weights give
+near ties at many steps, so over 256 tokens most sequences part from eager's somewhere, for
+transformers' compiled static cache too: not every difference is an error; tests/test_decode.py
+holds the correctness rule).
 Writes <out>/bench_generate-<model>-<gpu>-<stamp>.{json,csv,png}.
 """
 from __future__ import annotations
@@ -36,8 +39,11 @@ from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, build  # noqa: E402
 
 VARIANTS = ("eager", "forge", "forge graphs", "static + compile")
+# diagnostic, by --variants only: forge graphs with SDPA in the decoding steps in place of the
+# backend's decoding attention kernel (what the kernel is worth, side by side)
+EXTRA_VARIANTS = ("forge graphs sdpa",)
 COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ttft_ms", "total_s", "first_s",
-           "first_extra_s", "peak_MiB", "same_tokens", "note"]
+           "first_extra_s", "peak_MiB", "same_tokens", "agree_tokens", "note"]
 
 
 def _sync():
@@ -67,8 +73,10 @@ def _setup(model, variant, quick):
     kernels = ["fused_linear_ce"] if quick else None  # --quick: no interpreted kernels (seconds, not minutes)
     if variant == "forge":
         forge.patch(model, mode="infer", backend="triton", kernels=kernels)
-    elif variant == "forge graphs":
+    elif variant in ("forge graphs", "forge graphs sdpa"):
         forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
+        if variant == "forge graphs sdpa":
+            model._forge_graphs.decode.attention = None  # (read when a cache is made: none is yet)
     return {"cache_implementation": "static"} if variant == "static + compile" else {}
 
 
@@ -109,6 +117,9 @@ def run_case(model, variant, ids, mask, new, reps, quick, want):
         row["decode_tok_s"] = b * (new - 1) / decode_s if decode_s > 0 else None  # (CPU noise)
         if want is not None:
             row["same_tokens"] = (out == want).all(-1).float().mean().item()
+            new_out, new_want = out[:, ids.shape[1]:], want[:, ids.shape[1]:]
+            lead = (new_out == new_want).long().cumprod(-1).sum(-1)  # tokens before the first difference
+            row["agree_tokens"] = lead.float().mean().item()
         g = getattr(model, "_forge_graphs", None)
         if g is not None:
             st = g.stats
@@ -133,8 +144,9 @@ def _plot(rows, path, title):
         return None
     cases = sorted({(r["batch"], r["prompt"]) for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    width = 0.8 / len(VARIANTS)
-    for j, v in enumerate(VARIANTS):
+    shown = [v for v in VARIANTS + EXTRA_VARIANTS if any(r["variant"] == v for r in rows)]
+    width = 0.8 / len(shown)
+    for j, v in enumerate(shown):
         for ax, key in zip(axes, ("tok_s", "ttft_ms", "peak_MiB")):
             vals = [next((r.get(key) or 0 for r in rows if (r["batch"], r["prompt"]) == c and r["variant"] == v), 0)
                     for c in cases]
@@ -162,9 +174,9 @@ def main(argv=None):
     if a.quick:
         a.model, a.batches, a.prompts, a.new, a.reps = "tiny", "2", "8", 4, 1
     variants = [v.strip() for v in a.variants.split(",")]
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS + EXTRA_VARIANTS]
     if bad:
-        p.error(f"unknown variants {bad}; known: {VARIANTS}")
+        p.error(f"unknown variants {bad}; known: {VARIANTS + EXTRA_VARIANTS}")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build(a.model, dtype, dev).eval()

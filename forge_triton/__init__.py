@@ -21,6 +21,7 @@ _WHERE = {
     "rope": ("rope", "rope"),
     "lora_qkv": ("lora", "lora_qkv"),
     "lora_mlp": ("lora", "lora_mlp"),
+    "decode_attention": ("decode_attention", "decode_attention"),  # (the decoding path's; no op)
     # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
     "mlp_act": ("glu", "mlp_act"),
     "fused_linear_ce_prepare": ("fused_linear_ce", "prepare"),

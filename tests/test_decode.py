@@ -162,11 +162,24 @@ def test_greedy_left_padded_batch_matches_eager(model_type, fake_graphs):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter; on a CUDA "
                     "machine the gpu-marked cases run the compiled kernels inside real graphs")
-def test_forge_kernels_run_inside_the_captured_step(fake_graphs):
+def test_forge_kernels_run_inside_the_captured_step(fake_graphs, monkeypatch):
+    import forge_triton
+
+    kernel, calls = forge.ops.get("decode_attention", "triton"), []
+
+    def spy(*a, **k):
+        calls.append(a[0].shape)
+        return kernel(*a, **k)
+
+    monkeypatch.setattr(forge_triton, "decode_attention", spy)
     model = _model("qwen2")
     ids, mask = _prompt(model, 2, 4, "cpu")
     _check_generate(model, ids, mask, 4, torch.float32, torch.float64, backend="triton", graphs=True)
     assert model._forge_graphs.stats.decode_replayed > 0
+    # the warm-up steps and the capture attend through the backend's kernel (a real graph
+    # replays what the capture recorded; the stand-in's replay reruns the step with SDPA)
+    assert model._forge_graphs.decode.attends == "triton"
+    assert len(calls) == model.config.num_hidden_layers * (decode_runtime.WARMUP + 1), calls
     gs = model._forge_guard_stats
     for key in ("rmsnorm", "swiglu", "rope"):
         assert gs.fused(key) > 0, gs  # the capture fuses every size (the guard would fall back here)
@@ -470,10 +483,13 @@ def test_unpatch_frees_the_decode_graphs_and_cache():
     assert torch.cuda.memory_reserved() < held[1], "unpatch kept the graph pool"
 
 
-def test_packed_gqa_attention_matches_repeated_kv():
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_packed_gqa_attention_matches_repeated_kv(attention):
     # one new token per sequence: the query heads of each KV head attend as that head's rows
+    # (SDPA on the packed rows), or through the backend's decoding kernel
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    kernel = None if attention == "sdpa" else forge.ops.get("decode_attention", attention)
     g = torch.Generator().manual_seed(0)
     b, hk, groups, length, d = 3, 2, 4, 11, 8
     module = torch.nn.Module()
@@ -489,7 +505,7 @@ def test_packed_gqa_attention_matches_repeated_kv():
         return "delegated", None
 
     for mask in (keep, torch.where(keep, 0.0, float("-inf")), None):
-        got, _ = decode_runtime._packed_sdpa(orig, module, q, k, v, mask, scaling=0.3, sliding_window=None)
+        got, _ = decode_runtime._packed_sdpa(orig, kernel, module, q, k, v, mask, scaling=0.3, sliding_window=None)
         m = None if mask is None else mask[..., :length]
         ref = torch.nn.functional.scaled_dot_product_attention(
             q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=m, scale=0.3)
@@ -497,11 +513,21 @@ def test_packed_gqa_attention_matches_repeated_kv():
         assert got.shape == (b, 1, hk * groups, d) and got.is_contiguous()
     assert not calls
     # anything else goes to transformers' own function: two query tokens, a per-head mask, softcapping
-    assert decode_runtime._packed_sdpa(orig, module, q.expand(b, hk * groups, 2, d), k, v, None)[0] == "delegated"
+    args = (orig, kernel, module)
+    assert decode_runtime._packed_sdpa(*args, q.expand(b, hk * groups, 2, d), k, v, None)[0] == "delegated"
     per_head = torch.ones(b, hk * groups, 1, length, dtype=torch.bool)
-    assert decode_runtime._packed_sdpa(orig, module, q, k, v, per_head)[0] == "delegated"
-    assert decode_runtime._packed_sdpa(orig, module, q, k, v, None, softcap=50.0)[0] == "delegated"
+    assert decode_runtime._packed_sdpa(*args, q, k, v, per_head)[0] == "delegated"
+    assert decode_runtime._packed_sdpa(*args, q, k, v, None, softcap=50.0)[0] == "delegated"
     assert len(calls) == 3
+    # one query head per KV head: SDPA reads the cache as it is (orig), the kernel serves it
+    module.num_key_value_groups = 1
+    q1 = q[:, :hk]
+    got, _ = decode_runtime._packed_sdpa(*args, q1, k, v, keep, scaling=0.3)
+    if kernel is None:
+        assert got == "delegated"
+    else:
+        ref = torch.nn.functional.scaled_dot_product_attention(q1, k, v, attn_mask=keep[..., :length], scale=0.3)
+        torch.testing.assert_close(got, ref.transpose(1, 2))
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with decode_runtime.packed_gqa():
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before

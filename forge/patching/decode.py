@@ -98,7 +98,7 @@ def install(root, graphs, p):
     if why is not None:
         p.skip("decode", why)
         return None
-    d = Decoder(root, graphs)
+    d = Decoder(root, graphs, *_attention(p.backends()))
     cls = type(root)
 
     @functools.wraps(cls.forward)  # generate reads the forward's signature
@@ -134,6 +134,23 @@ def install(root, graphs, p):
     return d
 
 
+def _attention(backends):
+    """(kernel, its backend): the decoding attention kernel (``forge.spec.decode_attention``) of
+    the backend that runs the model's RoPE (else its first kernel's); (None, "sdpa") where that
+    backend has none: then the decoding steps use SDPA."""
+    from .. import ops
+    from ..errors import BackendUnavailableError
+
+    backend = backends.get("rope") or next(iter(backends.values()), None)
+    if backend is None:
+        return None, "sdpa"
+    try:
+        return ops.get("decode_attention", backend), backend
+    except BackendUnavailableError as e:
+        log.info("forge decode: decoding steps attend with SDPA (%s)", e)
+        return None, "sdpa"
+
+
 class StepMask:
     """What ``Decoder.prepare`` hands the forward as ``attention_mask`` for a decoding step it
     served: the step to replay and the 2-D padding mask (None: no padding) its graph builds the
@@ -156,9 +173,11 @@ class Decoder:
     """Per patched model: its static caches with their captured steps, and the generate call in
     flight."""
 
-    def __init__(self, root, graphs):
+    def __init__(self, root, graphs, attention=None, attends="sdpa"):
         self.root = root
         self.graphs = weakref.proxy(graphs)  # graphs holds this object: no reference cycle
+        self.attention = attention  # the decoding steps' attention kernel, or None: SDPA
+        self.attends = attends  # who computes it: a backend's name, or "sdpa"
         self.slots: dict[int, rt.CachedSteps] = {}  # batch size -> its cache; least recently used first
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
@@ -258,7 +277,8 @@ class Decoder:
         if slot is None:
             while len(self.slots) >= MAX_CACHES:
                 self.slots.pop(next(iter(self.slots)))
-            slot = rt.CachedSteps(StaticCache(config=self.root.config, max_cache_len=cap), batch, cap)
+            slot = rt.CachedSteps(StaticCache(config=self.root.config, max_cache_len=cap), batch, cap,
+                                  self.attention)
             self.graphs.stats.decode_caches += 1
         self.slots[batch] = slot  # most recently used last
         return slot

@@ -41,34 +41,44 @@ from .guard import CAPTURE
 WARMUP = 2  # uncaptured steps of a signature before its capture
 
 
-def _packed_sdpa(orig, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                 **kwargs):
-    """transformers' SDPA attention for one new token per sequence with grouped KV heads, without
-    repeating the cache: the query heads of a KV head become that head's query rows, (B, H, 1, D)
-    -> (B, H_kv, H / H_kv, D), and attend to the cache as it is. The same products and softmax
-    per query head as ``repeat_kv`` + SDPA (transformers 5.17 repeats the whole static cache per
-    layer and step: 1.4 GB of copies per step at batch 32 with a 512-token cache, Qwen2.5-0.5B).
-    Any other call goes to ``orig``."""
+_ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _packed_sdpa(orig, attention, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                 is_causal=None, **kwargs):
+    """transformers' SDPA attention for one new token per sequence, the cache read as it is (no
+    ``repeat_kv``: transformers 5.17 repeats the whole static cache per layer and step, 1.4 GB of
+    copies per step at batch 32 with a 512-token cache, Qwen2.5-0.5B). With ``attention`` (the
+    backend's decoding kernel, ``forge.spec.decode_attention``): that kernel, which splits the
+    cache's length over the GPU's SMs. Without it, for grouped KV heads: SDPA with the query heads
+    of a KV head as that head's query rows, (B, H, 1, D) -> (B, H_kv, H / H_kv, D). The same
+    products and softmax per query head either way. Any other call goes to ``orig``."""
     groups = getattr(module, "num_key_value_groups", 1)
     b, h, q, d = query.shape
     mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                                          and attention_mask.shape[2] == 1)
-    if (q != 1 or groups <= 1 or h != key.shape[1] * groups or not mask_ok or dropout
+    kernel = attention is not None and query.dtype in _ATTN_DTYPES
+    if (q != 1 or (groups <= 1 and not kernel) or h != key.shape[1] * groups or not mask_ok or dropout
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
             or kwargs.get("output_attentions")):
         return orig(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                     is_causal=is_causal, **kwargs)
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[2]]  # (B, 1, 1, L): shared by the rows
+    if kernel:
+        out = attention(query[:, :, 0], key, value, None if attention_mask is None else attention_mask[:, 0, 0],
+                        scaling)
+        return out.view(b, 1, h, d), None
     out = F.scaled_dot_product_attention(query.reshape(b, h // groups, groups, d), key, value,
                                          attn_mask=attention_mask, dropout_p=0.0, scale=scaling)
     return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
-def packed_gqa():
+def packed_gqa(attention=None):
     """While a decoding step runs uncaptured or is captured: transformers' "sdpa" attention
-    through :func:`_packed_sdpa` (a replay runs the kernels recorded then). The swap is
+    through :func:`_packed_sdpa`, with ``attention`` the decoding kernel or None (a replay runs
+    the kernels recorded then). The swap is
     process-wide for its duration; the packed function computes what the original does, so a
     concurrent caller elsewhere gets the same results."""
     try:
@@ -82,7 +92,7 @@ def packed_gqa():
         return
     had, before = "sdpa" in local, local.get("sdpa")
     orig = fns["sdpa"]
-    local["sdpa"] = lambda *a, **k: _packed_sdpa(orig, *a, **k)
+    local["sdpa"] = lambda *a, **k: _packed_sdpa(orig, attention, *a, **k)
     try:
         yield
     finally:
@@ -206,10 +216,11 @@ class MaskForm:
 class CachedSteps:
     """The captured decoding steps on one static cache (one batch size, one capacity)."""
 
-    def __init__(self, cache, batch: int, capacity: int):
+    def __init__(self, cache, batch: int, capacity: int, attention=None):
         from transformers.cache_utils import StaticLayer
 
         self.cache, self.batch, self.capacity = cache, batch, capacity
+        self.attention = attention  # the decoding attention kernel (forge.spec.decode_attention), or None: SDPA
         self.filled = False  # the prompt is in the cache (decode.Decoder._prefill)
         self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
         # masks can be built in the graph only where every layer attends to the whole cache
@@ -311,7 +322,7 @@ class CachedSteps:
                 self.seen[sig] = n + 1
                 CAPTURE.on = True  # the kernels the capture will record (fused at every size)
                 try:
-                    with packed_gqa():
+                    with packed_gqa(self.attention):
                         out = backend.warm(lambda: forward(**kw), owner, kw["input_ids"].device)
                     return out, "warm-up before capture"
                 finally:
@@ -358,7 +369,7 @@ class CachedSteps:
         gc.disable()
         CAPTURE.on = True
         try:
-            with packed_gqa():
+            with packed_gqa(self.attention):
                 s.graph, s.logits = backend.capture(fn, owner, dev)
         except Exception as e:  # noqa: BLE001 - never break generate(): this signature runs uncaptured
             self.failed[sig] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
