@@ -1,6 +1,7 @@
 """First call of each Pallas kernel in a fresh process, the native path's disk cache cold and warm.
 
     python bench/bench_first_call.py [--kernels rmsnorm,swiglu,geglu,rope,lora_qkv,lora_mlp] [--quick]
+    python bench/bench_first_call.py --kernels rmsnorm --profile   # where a warm first forward goes
 
 Per kernel, two fresh subprocesses share one empty ``FORGE_CACHE_DIR``: the first ("cold")
 fills the native path's TTIR cache (and Triton's own cache, which it points at the same folder),
@@ -71,11 +72,25 @@ _CHILD = textwrap.dedent("""
     args, kw, _ = inputs(False)
     args_g, _, _ = inputs(True)
     sync()
+    import os
+    prof = None
+    if os.environ.get("FORGE_FIRST_CALL_PROFILE"):  # --profile: what the first forward spends its time on
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    mods = len(sys.modules)
     t0 = time.perf_counter()
     with torch.no_grad():
         fn(*args, **kw)
     sync()
     t1 = time.perf_counter()
+    if prof is not None:
+        import pstats
+        prof.disable()
+        st = pstats.Stats(prof, stream=sys.stderr)
+        print(f"first forward: {1e3 * (t1 - t0):.1f} ms, {len(sys.modules) - mods} modules imported", file=sys.stderr)
+        st.sort_stats("cumulative").print_stats(35)
+        st.sort_stats("tottime").print_stats(15)
     before = native.timings()
     out = fn(*args_g, **kw)
     outs = out if isinstance(out, tuple) else (out,)
@@ -93,15 +108,19 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(kernel: str, quick: bool, cache: str) -> dict:
+def run_child(kernel: str, quick: bool, cache: str, profile: bool = False) -> dict:
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, FORGE_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    if profile:
+        env["FORGE_FIRST_CALL_PROFILE"] = "1"
     r = subprocess.run([sys.executable, "-c", _CHILD, kernel, "1" if quick else "0"], env=env,
                        capture_output=True, text=True, cwd=root)
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     if r.returncode != 0 or not line:
         raise RuntimeError(f"{kernel}: the child failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
+    if profile:
+        print(r.stderr[r.stderr.find("first forward:"):])
     return json.loads(line[-1][len("RESULT "):])
 
 
@@ -109,8 +128,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--quick", action="store_true", help="tiny shapes, JAX-evaluated kernels (CPU smoke test)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print cProfile's view of each warm first forward (writes no results)")
     bc.add_out_argument(ap)
     a = ap.parse_args()
+    if a.profile:
+        for kernel in a.kernels.split(","):
+            with tempfile.TemporaryDirectory(prefix="forge-first-call-") as cache:
+                run_child(kernel, a.quick, cache)
+                print(f"== {kernel}, warm", run_child(kernel, a.quick, cache, profile=True))
+        return
     rows = []
     for kernel in a.kernels.split(","):
         with tempfile.TemporaryDirectory(prefix="forge-first-call-") as cache:
