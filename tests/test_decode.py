@@ -504,7 +504,7 @@ def test_packed_gqa_attention_matches_repeated_kv(attention):
         calls.append(a[1].shape)
         return "delegated", None
 
-    for mask in (keep, torch.where(keep, 0.0, float("-inf")), None):
+    for mask in (keep, torch.where(keep, 0.0, float("-inf")), None, keep[:1]):  # (the last: shared by the batch)
         got, _ = decode_runtime._packed_sdpa(orig, kernel, module, q, k, v, mask, scaling=0.3, sliding_window=None)
         m = None if mask is None else mask[..., :length]
         ref = torch.nn.functional.scaled_dot_product_attention(

@@ -66,8 +66,12 @@ def _packed_sdpa(orig, attention, module, query, key, value, attention_mask, dro
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[2]]  # (B, 1, 1, L): shared by the rows
     if kernel:
-        out = attention(query[:, :, 0], key, value, None if attention_mask is None else attention_mask[:, 0, 0],
-                        scaling)
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask[:, 0, 0]  # (B or 1, L): a mask shared by the batch broadcasts
+            if mask.shape[0] != b:
+                mask = mask.expand(b, -1)
+        out = attention(query[:, :, 0], key, value, mask, scaling)
         return out.view(b, 1, h, d), None
     out = F.scaled_dot_product_attention(query.reshape(b, h // groups, groups, d), key, value,
                                          attn_mask=attention_mask, dropout_p=0.0, scale=scaling)
