@@ -57,7 +57,8 @@ def _packed_sdpa(orig, attention, module, query, key, value, attention_mask, dro
     b, h, q, d = query.shape
     mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                                          and attention_mask.shape[2] == 1)
-    kernel = attention is not None and query.dtype in _ATTN_DTYPES
+    kernel = (attention is not None and query.dtype in _ATTN_DTYPES and key.dtype is query.dtype
+              and value.dtype is query.dtype and value.shape == key.shape)
     if (q != 1 or (groups <= 1 and not kernel) or h != key.shape[1] * groups or not mask_ok or dropout
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
             or kwargs.get("output_attentions")):
