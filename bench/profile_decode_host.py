@@ -185,7 +185,28 @@ def _memory(model, dev, base):
     return (f"peak over the model {(torch.cuda.max_memory_allocated(dev) - base) / mib:.1f} MiB, "
             f"static caches {cache / mib:.1f} MiB, graph pool {sum(s for s, _ in segs) / mib:.1f} MiB in "
             f"{len(segs)} segments ({sum(a for _, a in segs) / mib:.1f} MiB held by live tensors; "
-            f"segment sizes MiB: {sorted((round(s / mib, 1) for s, _ in segs), reverse=True)[:12]})")
+            f"segment sizes MiB: {sorted((round(s / mib, 1) for s, _ in segs), reverse=True)[:12]}); "
+            f"by stream: {_by_stream(dev, g.pool)}")
+
+
+def _by_stream(dev, pool):
+    """The caching allocator's segments by stream (the default one, forge's capture stream, any
+    other) and pool (the graphs' own, the rest): size and bytes held by live blocks, in MiB. What
+    sits on the capture stream outside the graph pool was allocated while forge warmed steps up
+    there: cuBLAS keeps its workspace per (handle, stream) in this allocator."""
+    from forge.patching.graphs import capture_stream
+
+    side = capture_stream(dev).cuda_stream
+    acc = {}
+    for seg in torch.cuda.memory_snapshot():
+        st = seg.get("stream", 0)
+        who = "default" if st == 0 else ("capture" if st == side else "other")
+        where = "graph pool" if tuple(seg.get("segment_pool_id", (0, 0))) == pool else "allocator"
+        live = sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
+        t = acc.setdefault(f"{who} stream, {where}", [0, 0])
+        t[0] += seg["total_size"]
+        t[1] += live
+    return "; ".join(f"{k} {v[0] / 2**20:.1f} ({v[1] / 2**20:.1f} live)" for k, v in sorted(acc.items()))
 
 
 def run_case(model, variant, ids, kw, dev, reps):
