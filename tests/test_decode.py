@@ -519,15 +519,9 @@ def test_packed_gqa_attention_matches_repeated_kv(attention):
     assert decode_runtime._packed_sdpa(*args, q, k, v, per_head)[0] == "delegated"
     assert decode_runtime._packed_sdpa(*args, q, k, v, None, softcap=50.0)[0] == "delegated"
     assert len(calls) == 3
-    # one query head per KV head: SDPA reads the cache as it is (orig), the kernel serves it
+    # one query head per KV head: transformers' SDPA reads the cache as it is (orig)
     module.num_key_value_groups = 1
-    q1 = q[:, :hk]
-    got, _ = decode_runtime._packed_sdpa(*args, q1, k, v, keep, scaling=0.3)
-    if kernel is None:
-        assert got == "delegated"
-    else:
-        ref = torch.nn.functional.scaled_dot_product_attention(q1, k, v, attn_mask=keep[..., :length], scale=0.3)
-        torch.testing.assert_close(got, ref.transpose(1, 2))
+    assert decode_runtime._packed_sdpa(*args, q[:, :hk], k, v, keep, scaling=0.3)[0] == "delegated"
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with decode_runtime.packed_gqa():
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before

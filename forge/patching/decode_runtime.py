@@ -50,16 +50,17 @@ def _packed_sdpa(orig, attention, module, query, key, value, attention_mask, dro
     ``repeat_kv``: transformers 5.17 repeats the whole static cache per layer and step, 1.4 GB of
     copies per step at batch 32 with a 512-token cache, Qwen2.5-0.5B). With ``attention`` (the
     backend's decoding kernel, ``forge.spec.decode_attention``): that kernel, which splits the
-    cache's length over the GPU's SMs. Without it, for grouped KV heads: SDPA with the query heads
-    of a KV head as that head's query rows, (B, H, 1, D) -> (B, H_kv, H / H_kv, D). The same
-    products and softmax per query head either way. Any other call goes to ``orig``."""
+    cache's length over the GPU's SMs. Without it: SDPA with the query heads of a KV head as that
+    head's query rows, (B, H, 1, D) -> (B, H_kv, H / H_kv, D). The same products and softmax per
+    query head either way. Any other call goes to ``orig``, among them every call of a model
+    without grouped KV heads (SDPA reads its cache as it is; the kernel was not timed there)."""
     groups = getattr(module, "num_key_value_groups", 1)
     b, h, q, d = query.shape
     mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                                          and attention_mask.shape[2] == 1)
     kernel = (attention is not None and query.dtype in _ATTN_DTYPES and key.dtype is query.dtype
               and value.dtype is query.dtype and value.shape == key.shape)
-    if (q != 1 or (groups <= 1 and not kernel) or h != key.shape[1] * groups or not mask_ok or dropout
+    if (q != 1 or groups <= 1 or h != key.shape[1] * groups or not mask_ok or dropout
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
             or kwargs.get("output_attentions")):
         return orig(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
