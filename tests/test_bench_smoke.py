@@ -90,10 +90,14 @@ def test_bench_flce_quick(tmp_path):
 
 @pytest.mark.slow
 def test_bench_guard_quick(tmp_path):
-    _run("bench_guard.py", ["--quick", "--kernels", "swiglu", "--backends", "triton"], tmp_path)
+    # one process for both sweeps (a process start costs CI ~10 s)
+    _run("bench_guard.py", ["--quick", "--kernels", "swiglu,gated_mlp", "--backends", "triton"], tmp_path)
     rows = _rows(tmp_path, "bench_guard")
     assert {"kernel", "backend", "mode", "elements", "eager_us", "fused_us", "speedup"} <= rows[0].keys()
-    assert {r["mode"] for r in rows} == {"infer", "train"}
+    for kernel in ("swiglu", "gated_mlp"):
+        assert {r["mode"] for r in rows if r["kernel"] == kernel} == {"infer", "train"}
+    # the MLP sweep's elements are rows x intermediate, the guard's metric for swiglu/geglu
+    assert {int(r["elements"]) for r in rows if r["kernel"] == "gated_mlp"} == {1 * 4864, 4 * 4864}
 
 
 def test_guard_crossover_rule():
@@ -114,14 +118,6 @@ def test_profile_step_quick(tmp_path):
     assert [r["variant"] for r in rows] == ["eager", "rmsnorm"]
     assert {"ms", "device_busy_ms", "host_self_ms", "top_host"} <= rows[0].keys()
     assert all(float(r["ms"]) > 0 and float(r["host_self_ms"]) > 0 for r in rows)
-
-
-@pytest.mark.slow
-def test_bench_guard_gated_mlp_quick(tmp_path):
-    # the MLP sweep's elements are rows x intermediate, the guard's metric for swiglu/geglu
-    _run("bench_guard.py", ["--quick", "--kernels", "gated_mlp", "--backends", "triton"], tmp_path)
-    rows = _rows(tmp_path, "bench_guard")
-    assert {int(r["elements"]) for r in rows} == {1 * 4864, 4 * 4864}
 
 
 @pytest.mark.slow
