@@ -123,11 +123,10 @@ def _cfg(b, hkv, g, s, d, device):
     cfg = _CFG.get(key)
     if cfg is None:
         block_g, block_d = max(16, _common.next_pow2(g)), max(16, _common.next_pow2(d))
-        tiles = max(1, _common.cdiv(s, BLOCK_N))
+        tiles = _common.cdiv(s, BLOCK_N)  # (s >= 1: the spec refuses an empty cache)
         want = _common.cdiv(PROGRAMS_PER_SM * _common.num_sms(device), b * hkv)
-        nsplit = max(1, min(tiles, want, MAX_SPLITS))
-        chunk = _common.cdiv(tiles, nsplit) * BLOCK_N
-        nsplit = _common.cdiv(s, chunk) if s else 1
+        chunk = _common.cdiv(tiles, min(tiles, want, MAX_SPLITS)) * BLOCK_N
+        nsplit = _common.cdiv(s, chunk)
         warps = 4 if block_g * block_d <= 4096 else 8
         block_s = _common.next_pow2(nsplit)
         merge_warps = 4 if block_s * block_d <= 4096 else 8

@@ -58,8 +58,6 @@ def _packed_sdpa(orig, attention, module, query, key, value, attention_mask, dro
     b, h, q, d = query.shape
     mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                                          and attention_mask.shape[2] == 1)
-    kernel = (attention is not None and query.dtype in _ATTN_DTYPES and key.dtype is query.dtype
-              and value.dtype is query.dtype and value.shape == key.shape)
     if (q != 1 or groups <= 1 or h != key.shape[1] * groups or not mask_ok or dropout
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
             or kwargs.get("output_attentions")):
@@ -67,7 +65,8 @@ def _packed_sdpa(orig, attention, module, query, key, value, attention_mask, dro
                     is_causal=is_causal, **kwargs)
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[2]]  # (B, 1, 1, L): shared by the rows
-    if kernel:
+    if (attention is not None and query.dtype in _ATTN_DTYPES and key.dtype is query.dtype
+            and value.dtype is query.dtype and value.shape == key.shape):
         mask = None
         if attention_mask is not None:
             mask = attention_mask[:, 0, 0]  # (B or 1, L): a mask shared by the batch broadcasts
