@@ -23,6 +23,7 @@ _WHERE = {
     "rope": ("kernels", "rope"),
     "lora_qkv": ("lora", "lora_qkv"),
     "lora_mlp": ("lora", "lora_mlp"),
+    "decode_attention": ("kernels", "decode_attention"),  # (the decoding path's, forward only)
     # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
     "mlp_act": ("kernels", "mlp_act"),
     "fused_linear_ce_prepare": ("fused_linear_ce", "prepare"),

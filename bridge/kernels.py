@@ -140,3 +140,34 @@ def rope(q, k, cos, sin, unsqueeze_dim=1):
     if k_layout != logical:
         ko = ko.transpose(1, 2)
     return qo, ko
+
+
+# -- decoding attention (forward only: the decoding steps of generate()) ------------------------
+from forge.spec import decode_attention as decode_attention_spec  # noqa: E402
+from forge_pallas import decode_attention as _decode_attention  # noqa: E402
+
+DECODE_ATTENTION = core.KernelDef("decode_attention", _decode_attention.decode_attention_fwd, None, diff=())
+
+
+def _check_decode_attention(q, k, v, mask, scale):
+    decode_attention_spec.check(q, k, v, mask, scale)
+    check_devices(q=q, k=k, v=v, **({} if mask is None else {"mask": mask}))
+
+
+def decode_attention(q, k, v, mask=None, scale=None):
+    """Pallas decoding attention with the signature of ``forge.spec.decode_attention.reference``."""
+    sig = ("decode_attention", q.shape, q.dtype, q.device, k.shape, k.dtype, v.shape, v.dtype,
+           None if mask is None else (mask.shape, mask.dtype, mask.device), scale)
+    checked(sig, _check_decode_attention, q, k, v, mask, scale)
+    if q.numel() == 0:
+        return decode_attention_spec.reference(q, k, v, mask, scale)
+    d = q.shape[-1]
+    scale = 1.0 / d ** 0.5 if scale is None else float(scale)
+    if mask is None:
+        kind, mask = "none", torch.zeros((1, 1), dtype=torch.uint8, device=q.device)
+    elif mask.dtype is torch.bool:
+        kind, mask = "bool", mask.contiguous().view(torch.uint8)
+    else:
+        kind, mask = "float", mask.contiguous()
+    return core.apply(DECODE_ATTENTION, q.contiguous(), k.contiguous(), v.contiguous(), mask,
+                      mask_kind=kind, scale=scale)

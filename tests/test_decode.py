@@ -451,6 +451,24 @@ def test_greedy_generate_gpu(model_type, graphs):
 
 
 @pytest.mark.gpu
+def test_greedy_generate_pallas_gpu():
+    # the Pallas backend's kernels launch natively on torch's stream: its decoding steps are
+    # captured too, and attend through its own decoding kernel
+    from bridge import native
+
+    if not native.available()[0]:
+        pytest.skip(f"the Pallas native launch is unavailable here: {native.available()[1]}")
+    model = _model("qwen2", "qwen05b", torch.bfloat16, "cuda")
+    ids, mask = _prompt(model, 2, 32, "cuda")
+    _check_generate(model, ids, mask, 16, torch.bfloat16, torch.float32, backend="pallas", graphs=True,
+                    min_elements=0)
+    st = model._forge_graphs.stats
+    assert model._forge_graphs.decode.attends == "pallas"
+    assert st.decode_captures == 1 and st.decode_replayed > 0, st
+    assert not [w for w in st.why if "capture failed" in w], st
+
+
+@pytest.mark.gpu
 def test_sampling_and_batch_sizes_gpu():
     model = _model("qwen2", "gpu_demo", torch.bfloat16, "cuda")
     forge.patch(model, mode="infer", backend="triton", graphs=True)

@@ -1,9 +1,9 @@
 """The decoding attention kernel (forge.spec.decode_attention) against its float64 reference,
 under the oracle's rule, with SDPA over repeated KV heads as the eager baseline.
 
-Only the Triton backend has this kernel (the decoding path uses SDPA on the others): the cases
-run on that backend. CPU cases use tiny shapes in Triton's interpreter; the gpu-marked ones the
-decoding shapes of the presets (Qwen2.5-0.5B, a Qwen3-like and a gemma-like head layout).
+Both backends have it (a backend without one would leave the decoding path on SDPA). CPU cases
+use tiny shapes in the interpreters; the gpu-marked ones the decoding shapes of the presets
+(Qwen2.5-0.5B, a Qwen3-like and a gemma-like head layout).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import forge.ops
 from forge.spec import decode_attention as spec
 from forge.spec import tolerance
 
-BACKENDS = ["triton"]
+BACKENDS = list(forge.ops.BACKENDS)
 
 
 def _inputs(b, h, hkv, s, d, dtype, mask, device, gen):
