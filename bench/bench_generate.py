@@ -41,7 +41,7 @@ from presets import PRESETS, build  # noqa: E402
 VARIANTS = ("eager", "forge", "forge graphs", "static + compile")
 # diagnostic, by --variants only: forge graphs with SDPA in the decoding steps in place of the
 # backend's decoding attention kernel (what the kernel is worth, side by side)
-EXTRA_VARIANTS = ("forge graphs sdpa",)
+EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs")  # (the second: the Pallas backend, min_elements=0)
 COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ttft_ms", "total_s", "first_s",
            "first_extra_s", "peak_MiB", "same_tokens", "agree_tokens", "note"]
 
@@ -73,6 +73,8 @@ def _setup(model, variant, quick):
     kernels = ["fused_linear_ce"] if quick else None  # --quick: no interpreted kernels (seconds, not minutes)
     if variant == "forge":
         forge.patch(model, mode="infer", backend="triton", kernels=kernels)
+    elif variant == "forge pallas graphs":
+        forge.patch(model, mode="infer", backend="pallas", kernels=kernels, graphs=True, min_elements=0)
     elif variant in ("forge graphs", "forge graphs sdpa"):
         forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
         if variant == "forge graphs sdpa":

@@ -501,7 +501,7 @@ def test_unpatch_frees_the_decode_graphs_and_cache():
     assert torch.cuda.memory_reserved() < held[1], "unpatch kept the graph pool"
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+@pytest.mark.parametrize("attention", ["sdpa", *forge.ops.BACKENDS])
 def test_packed_gqa_attention_matches_repeated_kv(attention):
     # one new token per sequence: the query heads of each KV head attend as that head's rows
     # (SDPA on the packed rows), or through the backend's decoding kernel
