@@ -90,12 +90,11 @@ def _merge_kernel(part_ref, stat_ref, o_ref, *, g, d, nsplit, block_g, block_s, 
 _launch = C.triton_call
 
 
-def _plan(b, hkv, s, block_g, block_d):
+def _plan(b, hkv, s):
     """(chunk, chunks): about PROGRAMS_PER_CORE programs per SM, at most MAX_SPLITS chunks."""
-    tiles = max(1, C.cdiv(s, BLOCK_N))
+    tiles = C.cdiv(s, BLOCK_N)  # (s >= 1: the spec refuses an empty cache)
     want = C.cdiv(PROGRAMS_PER_CORE * C.num_cores(), b * hkv)
-    nsplit = max(1, min(tiles, want, MAX_SPLITS))
-    chunk = C.cdiv(tiles, nsplit) * BLOCK_N
+    chunk = C.cdiv(tiles, min(tiles, want, MAX_SPLITS)) * BLOCK_N
     return chunk, C.cdiv(s, chunk)
 
 
@@ -107,7 +106,7 @@ def decode_attention_fwd(q, k, v, mask, *, mask_kind, scale):
     hkv, s = k.shape[1], k.shape[2]
     g = h // hkv
     block_g, block_d = max(16, C.next_power_of_2(g)), max(16, C.next_power_of_2(d))
-    chunk, nsplit = _plan(b, hkv, s, block_g, block_d)
+    chunk, nsplit = _plan(b, hkv, s)
     warps = 4 if block_g * block_d <= 4096 else 8
     part_sds = jax.ShapeDtypeStruct((b * hkv * nsplit, block_g, block_d), jnp.float32)
     stat_sds = jax.ShapeDtypeStruct((b * hkv * nsplit, 2 * block_g), jnp.float32)
