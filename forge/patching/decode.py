@@ -381,7 +381,9 @@ class Decoder:
         then its keys and values copied into the static cache. Run against the static cache
         itself, every layer would attend over the cache's whole capacity under a 4-D mask
         (time to first token 36 ms against eager's 20 ms at batch 32, prompt 128, on the H200).
-        None (run as before) for a cache with sliding-window layers or a mask it cannot read."""
+        None (run as before) for a cache with sliding-window layers or a mask it cannot read. A
+        prompt with no padded row usually comes with no mask at all (SDPA's causal flag serves it):
+        that case is the common one, batch 1 among them."""
         from transformers.cache_utils import StaticLayer
 
         if (slot.sliding or slot.filled or set(kwargs) - _PREFILL_KWARGS - {self.cache_name}
@@ -389,14 +391,17 @@ class Decoder:
             return None
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):
-            mask = mask.get("full_attention") if len(mask) == 1 else None
+            mask = mask.get("full_attention", False) if len(mask) == 1 else False
         n = ids.shape[1]
-        if type(mask) is not torch.Tensor or mask.dim() != 4 or mask.shape[0] != ids.shape[0] or mask.shape[2] != n:
+        if mask is None:
+            pad2d = None  # no mask: transformers left causality to SDPA, as it does when no row is padded
+        elif type(mask) is not torch.Tensor or mask.dim() != 4 or mask.shape[0] != ids.shape[0] or mask.shape[2] != n:
             return None
-        # the last prompt position attends to every key that is not padding: its row of the
-        # causal 4-D mask is the 2-D padding mask (bool: True attends; float: 0 attends)
-        last = mask[:, 0, -1, :n]
-        pad2d = (last if last.dtype is torch.bool else last == 0).long()
+        else:
+            # the last prompt position attends to every key that is not padding: its row of the
+            # causal 4-D mask is the 2-D padding mask (bool: True attends; float: 0 attends)
+            last = mask[:, 0, -1, :n]
+            pad2d = (last if last.dtype is torch.bool else last == 0).long()
         dyn = self.graphs._dynamic_cache()
         out = type(model).forward(model, **{**kwargs, "attention_mask": pad2d, self.cache_name: dyn})
         for ly, src in zip(slot.cache.layers, dyn.layers):
