@@ -81,9 +81,9 @@ def _device_tag() -> str:
 
 
 def write_results(out: Path, bench: str, rows: list[dict], extra: dict | None = None,
-                  case: str = "") -> tuple[Path, Path]:
+                  case: str = "", history: bool = True) -> tuple[Path, Path]:
     """``<out>/<bench>[-<case>]-<device>.{json,csv}`` (overwritten by the next run of that case),
-    plus one row appended to ``<out>/history.csv``."""
+    plus one row appended to ``<out>/history.csv`` (not for a partial write: ``history=False``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base = "-".join(x for x in (bench, case, _device_tag()) if x)
@@ -98,7 +98,8 @@ def write_results(out: Path, bench: str, rows: list[dict], extra: dict | None = 
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
-    append_history(out, history_row(meta, jpath.stem))
+    if history:
+        append_history(out, history_row(meta, jpath.stem))
     return jpath, cpath
 
 

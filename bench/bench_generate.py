@@ -12,7 +12,10 @@ beyond a timed call), ``ttft_ms`` the median time of
 generate(max_new_tokens=1), ``total_s`` the median of --reps timed full calls, ``tok_s`` =
 batch x new / total_s and ``decode_tok_s`` = batch x (new - 1) / (total_s - ttft). ``peak_MiB``
 is torch's peak allocated memory during the timed calls plus, with graphs, the graph pool's
-bytes no live tensor holds (torch's counter does not see what replays write there).
+bytes no live tensor holds (torch's counter does not see what replays write there);
+``reserved_MiB`` is the caching allocator's peak reservation over the same calls (what the
+process holds from the device: a compiled run's CUDA-graph pools and any allocator fragmentation
+count here, for every variant alike).
 ``same_tokens`` is the fraction of sequences identical to eager's and ``agree_tokens`` the mean
 number of new tokens before a sequence first differs from eager's (random bf16 weights give
 near ties at many steps, so over 256 tokens most sequences part from eager's somewhere, for
@@ -43,7 +46,7 @@ VARIANTS = ("eager", "forge", "forge graphs", "static + compile")
 # backend's decoding attention kernel (what the kernel is worth, side by side)
 EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs")  # (the second: the Pallas backend, min_elements=0)
 COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ttft_ms", "total_s", "first_s",
-           "first_extra_s", "peak_MiB", "same_tokens", "agree_tokens", "note"]
+           "first_extra_s", "peak_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
 
 
 def _sync():
@@ -104,6 +107,7 @@ def run_case(model, variant, ids, mask, new, reps, quick, want):
         row["ttft_ms"] = 1e3 * statistics.median(
             _timed(lambda: model.generate(ids, max_new_tokens=1, **kw))[0] for _ in range(1 if quick else max(reps, 3)))
         if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # (reserved: what the timed calls need, not an earlier case's cache)
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(reps):
@@ -111,6 +115,7 @@ def run_case(model, variant, ids, mask, new, reps, quick, want):
             times.append(t)
         if torch.cuda.is_available():
             row["peak_MiB"] = (torch.cuda.max_memory_allocated() + graph_pool_bytes(model)) / 2**20
+            row["reserved_MiB"] = torch.cuda.max_memory_reserved() / 2**20
         row["total_s"] = statistics.median(times)
         row["first_extra_s"] = max(row["first_s"] - row["total_s"], 0.0)  # compile / warm-up and capture
         b = ids.shape[0]
@@ -185,6 +190,8 @@ def main(argv=None):
     model.generation_config.eos_token_id = None  # random weights: every run decodes all --new tokens
     vocab = PRESETS[a.model]["vocab_size"]
     rows = []
+    title = f"generate(): {a.model}, {a.new} new tokens, {dev.type} {str(dtype).split('.')[-1]}"
+    name = f"{a.model}-b{a.batches.replace(',', '-')}-p{a.prompts.replace(',', '-')}"
     for b in (int(x) for x in a.batches.split(",")):
         for plen in (int(x) for x in a.prompts.split(",")):
             g = torch.Generator().manual_seed(b * 7919 + plen)
@@ -201,11 +208,12 @@ def main(argv=None):
                 if base and r.get("tok_s"):
                     r["speedup"] = r["tok_s"] / base["tok_s"]
             rows += case
-    title = f"generate(): {a.model}, {a.new} new tokens, {dev.type} {str(dtype).split('.')[-1]}"
+            # written after every case (a run cut short by a time limit keeps the cases it finished)
+            bc.write_results(a.out, "bench_generate", rows, {"args": vars(a), "title": title}, case=name,
+                             history=False)
     print(title)
     bc.print_table(rows, COLUMNS)
-    case = f"{a.model}-b{a.batches.replace(',', '-')}-p{a.prompts.replace(',', '-')}"
-    jpath, cpath = bc.write_results(a.out, "bench_generate", rows, {"args": vars(a), "title": title}, case=case)
+    jpath, cpath = bc.write_results(a.out, "bench_generate", rows, {"args": vars(a), "title": title}, case=name)
     png = _plot(rows, jpath.with_suffix(".png"), title)
     print(f"wrote {jpath}\n      {cpath}" + (f"\n      {png}" if png else ""))
     return rows

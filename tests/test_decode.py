@@ -164,12 +164,19 @@ def test_greedy_left_padded_batch_matches_eager(model_type, fake_graphs):
 def test_unpadded_prompt_runs_into_a_dynamic_cache(batch, fake_graphs):
     # with no padded row transformers hands SDPA no mask at all (its causal flag serves): the
     # prompt must still run into a DynamicCache (a causal call per layer), not over the static
-    # cache's whole capacity (time to first token 32 ms against eager's 21 at batch 1, H200)
+    # cache's whole capacity (time to first token 32 ms against eager's 21 at batch 1, H200), and
+    # with the layer graphs standing aside (they would keep each prompt shape's activations)
     model = _model("qwen2")
     ids, mask = _prompt(model, batch, 5, "cpu", pad=False)
     _check_generate(model, ids, mask, 6, torch.float32, torch.float64, kernels=NONE, graphs=True)
     assert model._forge_graphs.decode.prefills == 3  # the greedy call and the two forced ones
     assert model._forge_graphs.stats.decode_replayed == 5 * 3 - decode_runtime.WARMUP
+    # the layer graphs' entry, asked for by the first layer of every pass they may serve (the
+    # stand-in graphs' replays rerun the one-token steps through it: those are not counted)
+    begun = []
+    model._forge_graphs._begin = lambda layer, x, *a: (x.shape[1] > 1 and begun.append(x.shape)) or "test"
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert model._forge_graphs.decode.prefills == 4 and not begun, begun
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter; on a CUDA "
