@@ -213,7 +213,14 @@ def _kernel_calls(backend):
             outs += (pieces["act"](g, u), *(t.requires_grad_() for t in step))
         return outs
 
+    def decode_attention(f):
+        # forward only (it serves the captured decoding steps): the three mask forms
+        q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+        keep = torch.tensor([[True] * 5, [False, True, True, True, True]])
+        return (f(q, k, v), f(q, k, v, keep), f(q, k, v, torch.zeros(2, 5).masked_fill(~keep, float("-inf"))))
+
     kernels["lora_qkv"], kernels["lora_mlp"], kernels["mlp_act"] = lora_qkv, lora_mlp, mlp_pieces
+    kernels["decode_attention"] = decode_attention
     return kernels
 
 
@@ -242,7 +249,9 @@ def _opcheck_cases(backend):
                 unittest.mock.patch("forge.ops._nodes._through_ops", lambda: True), Record():
             outs = make(fn)
             outs = outs if isinstance(outs, tuple) else (outs,)
-            sum(o.float().sum() for o in outs).backward()
+            loss = sum(o.float().sum() for o in outs)
+            if loss.requires_grad:  # (not a forward-only kernel's)
+                loss.backward()
     return calls
 
 
@@ -291,7 +300,9 @@ for backend in sys.argv[1:]:
         with torch.profiler.profile() as prof:
             outs = make(ops.get(key, backend))
             outs = outs if isinstance(outs, tuple) else (outs,)
-            sum(o.float().sum() for o in outs).backward()
+            loss = sum(o.float().sum() for o in outs)
+            if loss.requires_grad:  # (not a forward-only kernel's)
+                loss.backward()
         out[backend + "/" + key] = sorted({e.name for e in prof.events() if e.name.startswith("forge::")})
 print("OPS" + json.dumps(out))
 """
