@@ -294,15 +294,13 @@ from test_compile import _kernel_calls
 out = {}
 for backend in sys.argv[1:]:
     for key, make in _kernel_calls(backend).items():
-        if key == "mlp_act":
+        if key in ("mlp_act", "decode_attention"):  # (a piece; a forward-only kernel: not checked here)
             continue
         torch.manual_seed(0)
         with torch.profiler.profile() as prof:
             outs = make(ops.get(key, backend))
             outs = outs if isinstance(outs, tuple) else (outs,)
-            loss = sum(o.float().sum() for o in outs)
-            if loss.requires_grad:  # (not a forward-only kernel's)
-                loss.backward()
+            sum(o.float().sum() for o in outs).backward()
         out[backend + "/" + key] = sorted({e.name for e in prof.events() if e.name.startswith("forge::")})
 print("OPS" + json.dumps(out))
 """
