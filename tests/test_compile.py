@@ -303,8 +303,9 @@ for backend in sys.argv[1:]:
             sum(o.float().sum() for o in outs).backward()
         out[backend + "/" + key] = sorted({e.name for e in prof.events() if e.name.startswith("forge::")})
 print("OPS" + json.dumps(out), flush=True)
-# skip the interpreter's teardown: once in CI (torch 2.13 CPU) the profiler's threads aborted the
-# process there ("terminate called without an active exception") after the result was printed
+# skip the interpreter's teardown: once in CI (torch 2.13 CPU) the process aborted there
+# ("terminate called without an active exception", after profiler activity; cause not found),
+# after the result was printed
 import os
 os._exit(0)
 """
