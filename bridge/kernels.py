@@ -12,10 +12,12 @@ import functools
 import torch
 
 from forge.spec import _check
+from forge.spec import decode_attention as decode_attention_spec
 from forge.spec import geglu as geglu_spec
 from forge.spec import rmsnorm as rmsnorm_spec
 from forge.spec import rope as rope_spec
 from forge.spec import swiglu as swiglu_spec
+from forge_pallas import decode_attention as _decode_attention
 from forge_pallas import glu as _glu
 from forge_pallas import rmsnorm as _rmsnorm
 from forge_pallas import rope as _rope
@@ -30,6 +32,7 @@ GLU_BWD_ACT = {kind: core.KernelDef(f"{kind}_bwd_act", functools.partial(_glu.gl
                                     diff=()) for kind in ("swiglu", "geglu")}
 # backward needs only cos and sin (saving q and k would pin activations torch's own rope does not)
 ROPE = core.KernelDef("rope", _rope.rope_fwd, _rope.rope_bwd, diff=(0, 1), save=(2, 3))
+DECODE_ATTENTION = core.KernelDef("decode_attention", _decode_attention.decode_attention_fwd, None, diff=())
 
 _SEEN = _check.Validated()  # call signatures already validated
 
@@ -143,12 +146,6 @@ def rope(q, k, cos, sin, unsqueeze_dim=1):
 
 
 # -- decoding attention (forward only: the decoding steps of generate()) ------------------------
-from forge.spec import decode_attention as decode_attention_spec  # noqa: E402
-from forge_pallas import decode_attention as _decode_attention  # noqa: E402
-
-DECODE_ATTENTION = core.KernelDef("decode_attention", _decode_attention.decode_attention_fwd, None, diff=())
-
-
 def _check_decode_attention(q, k, v, mask, scale):
     decode_attention_spec.check(q, k, v, mask, scale)
     check_devices(q=q, k=k, v=v, **({} if mask is None else {"mask": mask}))
