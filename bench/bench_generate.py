@@ -9,13 +9,14 @@ Per (batch, prompt length) and variant: greedy generate() of --new tokens (min_n
 so every run decodes them all) from random prompts. ``first_s`` is the variant's first call
 (forge graphs: its captures; static + compile: its compilation; ``first_extra_s`` is what it took
 beyond a timed call), ``ttft_ms`` the median time of
-generate(max_new_tokens=1), ``total_s`` the median of --reps timed full calls, ``tok_s`` =
+``TTFT_CALLS`` calls of generate(max_new_tokens=1), ``total_s`` the median of --reps timed full calls, ``tok_s`` =
 batch x new / total_s and ``decode_tok_s`` = batch x (new - 1) / (total_s - ttft). ``peak_MiB``
 is torch's peak allocated memory during the timed calls plus, with graphs, the graph pool's
-bytes no live tensor holds (torch's counter does not see what replays write there);
+bytes no live tensor holds (``pool_MiB``: torch's counter does not see what replays write there);
 ``reserved_MiB`` is the caching allocator's peak reservation over the same calls (what the
 process holds from the device: a compiled run's CUDA-graph pools and any allocator fragmentation
-count here, for every variant alike).
+count here, for every variant alike). Every variant starts with no cuBLAS workspace allocated (as in
+a process of its own; see ``_teardown``).
 ``same_tokens`` is the fraction of sequences identical to eager's and ``agree_tokens`` the mean
 number of new tokens before a sequence first differs from eager's (random bf16 weights give
 near ties at many steps, so over 256 tokens most sequences part from eager's somewhere, for
@@ -41,12 +42,14 @@ import forge  # noqa: E402
 from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, build  # noqa: E402
 
+TTFT_CALLS = 10  # generate(max_new_tokens=1) calls per case, median taken (tens of ms each; 3 left the
+# median at batch 1 wandering by 10 ms between runs)
 VARIANTS = ("eager", "forge", "forge graphs", "static + compile")
 # diagnostic, by --variants only: forge graphs with SDPA in the decoding steps in place of the
 # backend's decoding attention kernel (what the kernel is worth, side by side)
 EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs")  # (the second: the Pallas backend, min_elements=0)
 COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ttft_ms", "total_s", "first_s",
-           "first_extra_s", "peak_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
+           "first_extra_s", "peak_MiB", "pool_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
 
 
 def _sync():
@@ -90,6 +93,15 @@ def _teardown(model):
     _forget_compiled(model)
     gc.collect()
     if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        # torch keeps a cuBLAS workspace per stream for the life of the process (33 MiB on the
+        # H200); one a variant used would otherwise count in the peak of every later one (eager's
+        # peak at batch 1, prompt 1024 read 33 MiB higher after a forge graphs case than as the
+        # first case). Every variant starts with none, as in a process of its own. (Only with no
+        # CUDA graph alive: one captured over a workspace would be left pointing at freed memory.)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
 
 
@@ -105,7 +117,7 @@ def run_case(model, variant, ids, mask, new, reps, quick, want):
         row["first_s"], _ = _timed(full)
         _timed(full)  # forge graphs: the first call's steps warm up and capture; this one replays
         row["ttft_ms"] = 1e3 * statistics.median(
-            _timed(lambda: model.generate(ids, max_new_tokens=1, **kw))[0] for _ in range(1 if quick else max(reps, 3)))
+            _timed(lambda: model.generate(ids, max_new_tokens=1, **kw))[0] for _ in range(1 if quick else TTFT_CALLS))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # (reserved: what the timed calls need, not an earlier case's cache)
             torch.cuda.reset_peak_memory_stats()
@@ -114,7 +126,8 @@ def run_case(model, variant, ids, mask, new, reps, quick, want):
             t, out = _timed(full)
             times.append(t)
         if torch.cuda.is_available():
-            row["peak_MiB"] = (torch.cuda.max_memory_allocated() + graph_pool_bytes(model)) / 2**20
+            row["pool_MiB"] = graph_pool_bytes(model) / 2**20
+            row["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20 + row["pool_MiB"]
             row["reserved_MiB"] = torch.cuda.max_memory_reserved() / 2**20
         row["total_s"] = statistics.median(times)
         row["first_extra_s"] = max(row["first_s"] - row["total_s"], 0.0)  # compile / warm-up and capture

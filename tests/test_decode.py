@@ -18,6 +18,7 @@ from forge import _runtime
 
 _runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
 
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import inspect  # noqa: E402
 
@@ -42,26 +43,43 @@ class _FakeGraph:
 
 
 class _FakeGraphs:
-    """Stands in for decode_runtime.CudaGraphs on the CPU."""
+    """Stands in for decode_runtime.CudaGraphs on the CPU; counts the warm-ups and captures run
+    outside a served generate() call (CudaGraphs.serve: on a GPU, off the capture stream)."""
+
+    def __init__(self):
+        self.depth, self.outside, self.ran = 0, 0, 0
 
     @staticmethod
     def why_not(device):
         return None
 
-    @staticmethod
-    def warm(fn, owner, dev):
+    @contextlib.contextmanager
+    def serve(self, dev):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def warm(self, fn, owner, dev):
+        self.ran += 1
+        self.outside += not self.depth
         return fn()
 
-    @staticmethod
-    def capture(fn, owner, dev):
+    def capture(self, fn, owner, dev):
+        self.ran += 1
+        self.outside += not self.depth
         out = fn()
         return _FakeGraph(fn, out), out
 
 
 @pytest.fixture
 def fake_graphs(monkeypatch):
-    monkeypatch.setattr(decode_runtime, "BACKEND", _FakeGraphs())
+    fake = _FakeGraphs()
+    monkeypatch.setattr(decode_runtime, "BACKEND", fake)
     monkeypatch.setattr(decode, "BUCKET", 8)  # small caches: growth shows at tiny lengths
+    yield fake
+    assert fake.outside == 0, "a warm-up or capture ran outside the served generate() call"
 
 
 def _model(model_type, shape="cpu", dtype=torch.float32, device="cpu", attn=None, **kw):
@@ -161,7 +179,7 @@ def test_greedy_left_padded_batch_matches_eager(model_type, fake_graphs):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_unpadded_prompt_runs_into_a_dynamic_cache(batch, fake_graphs):
+def test_unpadded_prompt_runs_into_a_dynamic_cache(batch, fake_graphs, monkeypatch):
     # with no padded row transformers hands SDPA no mask at all (its causal flag serves): the
     # prompt must still run into a DynamicCache (a causal call per layer), not over the static
     # cache's whole capacity (time to first token 32 ms against eager's 21 at batch 1, H200), and
@@ -177,6 +195,15 @@ def test_unpadded_prompt_runs_into_a_dynamic_cache(batch, fake_graphs):
     model._forge_graphs._begin = lambda layer, x, *a: (x.shape[1] > 1 and begun.append(x.shape)) or "test"
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert model._forge_graphs.decode.prefills == 4 and not begun, begun
+    # the prompt's keys and values go straight into the static cache: no DynamicCache layer holds
+    # a second copy of them during the forward
+    from transformers.cache_utils import DynamicLayer
+
+    copies = []
+    real = DynamicLayer.update
+    monkeypatch.setattr(DynamicLayer, "update", lambda self, *a, **k: copies.append(1) or real(self, *a, **k))
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert model._forge_graphs.decode.prefills == 5 and not copies and got.shape == (batch, 8)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter; on a CUDA "
@@ -450,6 +477,52 @@ def test_decode_declines_kernels_it_cannot_capture():
     assert "already replaced" in decode.why_not(model, {})
 
 
+def test_logits_outside_pool_equal_the_heads_and_restore_it(monkeypatch):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False)
+    x = torch.randn(3, 1, 16)
+    with decode_runtime.logits_outside_pool(head, 3) as buf:
+        assert buf is None  # 480 bytes of logits: they stay in the pool's small segment
+    monkeypatch.setattr(decode_runtime, "LARGE", 3 * 40 * 4)
+    with decode_runtime.logits_outside_pool(head, 3) as buf:
+        assert buf is not None and buf.shape == (3, 1, 40) and "forward" in head.__dict__
+        with torch.no_grad():  # (as in generate)
+            out = head(x)
+            assert out is buf and torch.equal(out, torch.nn.functional.linear(x, head.weight))
+            other = head(torch.randn(2, 4, 16))  # not a decoding step's input: the head's own forward
+            assert other.shape == (2, 4, 40) and other.data_ptr() != buf.data_ptr()
+        tracked = head(x)  # autograd on: the head's own forward (out= records no graph)
+        assert tracked is not buf and tracked.requires_grad
+    assert "forward" not in head.__dict__
+    hooked = torch.nn.Linear(16, 40, bias=False)
+    hooked.register_forward_hook(lambda m, i, o: o)
+    for other in (torch.nn.Linear(16, 40), hooked, torch.nn.Embedding(4, 4)):  # bias, hook: left alone
+        with decode_runtime.logits_outside_pool(other, 3) as buf:
+            assert buf is None and "forward" not in other.__dict__
+
+
+def test_captured_steps_write_logits_outside_the_pool(fake_graphs, monkeypatch):
+    # the step's static logits are the buffer logits_outside_pool made before the capture
+    made = []
+    real = decode_runtime.logits_outside_pool
+
+    @contextlib.contextmanager
+    def spy(head, batch):
+        with real(head, batch) as buf:
+            made.append(buf)
+            yield buf
+
+    monkeypatch.setattr(decode_runtime, "logits_outside_pool", spy)
+    monkeypatch.setattr(decode_runtime, "LARGE", 1)  # (the tiny model's logits count as large)
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 2, 4, "cpu")
+    _check_generate(model, ids, mask, 5, torch.float32, torch.float64, kernels=NONE, graphs=True)
+    (slot,) = model._forge_graphs.decode.slots.values()
+    (step,) = slot.steps.values()
+    assert len(made) == 1 and made[0] is not None and step.logits is made[0] and step.template.logits is made[0]
+    assert "forward" not in model.lm_head.__dict__
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: real CUDA graphs
 
@@ -518,6 +591,39 @@ def test_unpatch_frees_the_decode_graphs_and_cache():
     torch.cuda.empty_cache()  # no gc.collect(): nothing may wait for one
     assert torch.cuda.memory_allocated() < held[0], "unpatch kept the static cache"
     assert torch.cuda.memory_reserved() < held[1], "unpatch kept the graph pool"
+
+
+@pytest.mark.gpu
+def test_a_served_call_keeps_one_cublas_workspace_in_use():
+    # torch keeps a cuBLAS workspace per stream for the life of the process (33 MiB on the H200);
+    # the graphs use the capture stream's, and a served generate() runs there: it adds that one
+    # workspace, not a second one on the caller's stream as well
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        pytest.skip("this torch has no _cuda_clearCublasWorkspaces to measure its workspaces with")
+    model = _model("qwen2", "gpu_demo", torch.bfloat16, "cuda")
+    ids, mask = _prompt(model, 2, 16, "cuda")
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    clear()
+    before = torch.cuda.memory_allocated()
+    x @ x  # noqa: B018 - one product on the caller's stream: the size of one workspace
+    torch.cuda.synchronize()
+    one = torch.cuda.memory_allocated() - before
+    if one == 0:
+        pytest.skip("this torch build keeps no cuBLAS workspace in the caching allocator")
+    forge.patch(model, mode="infer", backend="triton", graphs=True)
+    torch.cuda.synchronize()
+    clear()
+    model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert model._forge_graphs.stats.decode_replayed > 0
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    clear()  # (the graphs now point at a freed workspace: never replayed again, unpatched below)
+    dropped = torch.cuda.memory_allocated() - held
+    forge.unpatch(model)
+    # (a served call's products with a bias may add cuBLASLt's own small workspace: under 2x one)
+    assert one <= -dropped < 2 * one, f"the call left {-dropped / 2**20:.1f} MiB of workspaces, one is {one / 2**20:.1f}"
 
 
 @pytest.mark.parametrize("attention", ["sdpa", *forge.ops.BACKENDS])

@@ -35,6 +35,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .guard import CAPTURE
 
@@ -119,19 +120,46 @@ class CudaGraphs:
         return None
 
     @staticmethod
+    @contextlib.contextmanager
+    def serve(dev):
+        """A generate() call forge serves runs on the capture stream, the caller's stream waiting
+        for it at the end: its uncaptured calls (the prefill, the warm-ups) and its replays then
+        use the capture stream's cuBLAS workspace, which the graphs use anyway (torch keeps one
+        per stream for the life of the process, 33 MiB on the H200). On the caller's stream they
+        would keep a second one in use."""
+        if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            yield
+            return
+        from .graphs import capture_stream
+
+        side, cur = capture_stream(dev), torch.cuda.current_stream(dev)
+        if side == cur:
+            yield
+            return
+        side.wait_stream(cur)
+        try:
+            with torch.cuda.stream(side):
+                yield
+        finally:
+            cur.wait_stream(side)
+
+    @staticmethod
     def _stream(owner, dev):
         from .graphs import capture_stream  # the process's one capture stream per device
 
-        side = capture_stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
+        side, cur = capture_stream(dev), torch.cuda.current_stream(dev)
+        if side != cur:
+            side.wait_stream(cur)
         return side
 
     def warm(self, fn, owner, dev):
         """An uncaptured step on the capture stream (cuBLAS keeps a workspace per stream)."""
+        cur = torch.cuda.current_stream(dev)
         side = self._stream(owner, dev)
         with torch.cuda.stream(side):
             out = fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
+        if side != cur:
+            cur.wait_stream(side)
         return out
 
     def capture(self, fn, owner, dev):
@@ -139,14 +167,51 @@ class CudaGraphs:
         side = self._stream(owner, dev)
         if owner.pool is None:
             owner.pool = torch.cuda.graph_pool_handle()
+        cur = torch.cuda.current_stream(dev)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=owner.pool, stream=side):
             out = fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
+        if side != cur:
+            cur.wait_stream(side)
         return graph, out
 
 
 BACKEND = CudaGraphs()
+
+
+LARGE = 1 << 20  # the caching allocator's smallest "large" allocation (bytes): its own segment
+
+
+@contextlib.contextmanager
+def logits_outside_pool(head, batch):
+    """While a step is captured: the LM head (a plain ``nn.Linear`` without bias; any other head
+    is left alone) writes the step's (batch, 1, vocab) logits into a buffer allocated before the
+    capture, outside the graph pool, which it yields (None where left alone). In the pool, logits
+    of 1 to 10 MiB (batch 4 to 32 at a 152k vocabulary in bf16) would take a segment of 20 MiB
+    there, which no allocation outside the graphs can use; outside it they cost what eager's do.
+    Logits under ``LARGE`` stay in the pool: they share the 2 MiB segment the step's small
+    temporaries take there anyway. The product is the one ``F.linear`` runs for such an input
+    (one matrix product, no bias)."""
+    w = getattr(head, "weight", None)
+    if (type(head) is not nn.Linear or head.bias is not None or type(w) not in (torch.Tensor, nn.Parameter)
+            or "forward" in head.__dict__ or head._forward_hooks or head._forward_pre_hooks
+            or batch * w.shape[0] * w.element_size() < LARGE):
+        yield None
+        return
+    buf = torch.empty(batch, 1, w.shape[0], dtype=w.dtype, device=w.device)
+
+    def forward(x):
+        if (x.dtype != w.dtype or x.shape[:-1] != buf.shape[:-1]
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            return nn.Linear.forward(head, x)
+        torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out=buf.view(-1, w.shape[0]))
+        return buf
+
+    head.forward = forward
+    try:
+        yield buf
+    finally:
+        del head.forward
 
 
 def _static(x):
@@ -221,11 +286,12 @@ class MaskForm:
 class CachedSteps:
     """The captured decoding steps on one static cache (one batch size, one capacity)."""
 
-    def __init__(self, cache, batch: int, capacity: int, attention=None):
+    def __init__(self, cache, batch: int, capacity: int, attention=None, head=None):
         from transformers.cache_utils import StaticLayer
 
         self.cache, self.batch, self.capacity = cache, batch, capacity
         self.attention = attention  # the decoding attention kernel (forge.spec.decode_attention), or None: SDPA
+        self.head = head  # the model's LM head (logits_outside_pool), or None
         self.filled = False  # the prompt is in the cache (decode.Decoder._prefill)
         self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
         # masks can be built in the graph only where every layer attends to the whole cache
@@ -374,7 +440,7 @@ class CachedSteps:
         gc.disable()
         CAPTURE.on = True
         try:
-            with packed_gqa(self.attention):
+            with packed_gqa(self.attention), logits_outside_pool(self.head, self.batch):
                 s.graph, s.logits = backend.capture(fn, owner, dev)
         except Exception as e:  # noqa: BLE001 - never break generate(): this signature runs uncaptured
             self.failed[sig] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
