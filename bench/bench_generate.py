@@ -9,7 +9,8 @@ Per (batch, prompt length) and variant: greedy generate() of --new tokens (min_n
 so every run decodes them all) from random prompts. ``first_s`` is the variant's first call
 (forge graphs: its captures; static + compile: its compilation; ``first_extra_s`` is what it took
 beyond a timed call), ``ttft_ms`` the median time of
-``TTFT_CALLS`` calls of generate(max_new_tokens=1), ``total_s`` the median of --reps timed full calls, ``tok_s`` =
+``TTFT_CALLS`` calls of generate(max_new_tokens=1), ``ttft_eager_ms`` that of an unpatched copy's
+calls interleaved with them (compare these two: the host's speed drifts between variants), ``total_s`` the median of --reps timed full calls, ``tok_s`` =
 batch x new / total_s and ``decode_tok_s`` = batch x (new - 1) / (total_s - ttft). ``peak_MiB``
 is torch's peak allocated memory during the timed calls plus, with graphs, the graph pool's
 bytes no live tensor holds (``pool_MiB``: torch's counter does not see what replays write there);
@@ -27,6 +28,7 @@ Writes <out>/bench_generate-<model>-<gpu>-<stamp>.{json,csv,png}.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import statistics
 import sys
@@ -48,8 +50,8 @@ VARIANTS = ("eager", "forge", "forge graphs", "static + compile")
 # diagnostic, by --variants only: forge graphs with SDPA in the decoding steps in place of the
 # backend's decoding attention kernel (what the kernel is worth, side by side)
 EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs")  # (the second: the Pallas backend, min_elements=0)
-COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ttft_ms", "total_s", "first_s",
-           "first_extra_s", "peak_MiB", "pool_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
+COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ttft_ms", "ttft_eager_ms", "total_s",
+           "first_s", "first_extra_s", "peak_MiB", "pool_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
 
 
 def _sync():
@@ -110,14 +112,25 @@ def run_case(model, variant, ids, mask, new, reps, quick, want):
     if variant == "static + compile" and not torch.cuda.is_available():
         row["note"] = "skipped: transformers compiles only on an accelerator"
         return row, None
+    # eager's twin (an unpatched copy), for time to first token measured interleaved with the
+    # variant's: this host's speed wanders by up to 2x over seconds (batch 1, prompt 128: eager's
+    # first token took 21 to 47 ms within 15 consecutive calls), which a comparison of medians
+    # taken a minute apart does not survive
+    twin = copy.deepcopy(model) if variant != "eager" else None
     extra = _setup(model, variant, quick)
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, **extra)
     full = lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)  # noqa: E731
     try:
         row["first_s"], _ = _timed(full)
         _timed(full)  # forge graphs: the first call's steps warm up and capture; this one replays
-        row["ttft_ms"] = 1e3 * statistics.median(
-            _timed(lambda: model.generate(ids, max_new_tokens=1, **kw))[0] for _ in range(1 if quick else TTFT_CALLS))
+        one = lambda m: _timed(lambda: m.generate(ids, max_new_tokens=1, **kw))[0]  # noqa: E731
+        mine, eager = [], []
+        for _ in range(1 if quick else TTFT_CALLS):
+            mine.append(one(model))
+            eager.append(one(twin) if twin is not None else mine[-1])
+        row["ttft_ms"], row["ttft_eager_ms"] = 1e3 * statistics.median(mine), 1e3 * statistics.median(eager)
+        del twin
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # (reserved: what the timed calls need, not an earlier case's cache)
             torch.cuda.reset_peak_memory_stats()
