@@ -477,6 +477,30 @@ def test_decode_declines_kernels_it_cannot_capture():
     assert "already replaced" in decode.why_not(model, {})
 
 
+def test_steps_captured_before_a_cublas_workspace_clear_are_captured_again(fake_graphs, monkeypatch):
+    # torch.compile's CUDA graph trees clear torch's cuBLAS workspaces around every recording: a
+    # step captured before a clear would replay over the freed workspace; it is captured again
+    cleared = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(1), raising=False)
+    model = _model("qwen2")
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    st = model._forge_graphs.stats
+    ids, mask = _prompt(model, 2, 5, "cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = eager_model.generate(ids, **kw)
+        first = model.generate(ids, **kw)
+        assert st.decode_captures == 1, st
+        torch._C._cuda_clearCublasWorkspaces()  # (forge's wrapper counts it and calls through)
+        assert cleared == [1]
+        again = model.generate(ids, **kw)
+        assert st.decode_captures == 2 and any("cuBLAS workspaces were cleared" in k for k in st.why), st
+        model.generate(ids, **kw)  # no clear since: replayed, not captured again
+    assert st.decode_captures == 2, st
+    assert torch.equal(first, want) and torch.equal(again, want)
+
+
 def test_logits_outside_pool_equal_the_heads_and_restore_it(monkeypatch):
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 40, bias=False)

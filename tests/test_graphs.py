@@ -371,3 +371,18 @@ def test_inference_prefill_replays_into_the_kv_cache(math_sdpa):
     assert g.stats.decode_captures == 1 and g.stats.decode_replayed == 4, g.stats
     prefill = ("attention mask", "KV cache (not an empty DynamicCache in a forward without grad)")
     assert sum(g.stats.why.get(w, 0) for w in prefill) == 2, g.stats
+
+
+def test_a_cublas_workspace_clear_makes_captured_sets_stale(monkeypatch):
+    # torch.compile's CUDA graph trees clear torch's cuBLAS workspaces around every recording; a
+    # layer set captured before a clear would replay over the freed workspace: it counts as
+    # changed (captured again on its next use)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None, raising=False)
+    graphs_mod.watch_workspaces()
+    graphs_mod.watch_workspaces()  # once: a second call does not wrap the wrapper
+    s = graphs_mod._Set(grad=False)
+    assert s.unchanged()
+    n = graphs_mod.workspace_epoch()
+    torch._C._cuda_clearCublasWorkspaces()
+    assert graphs_mod.workspace_epoch() == n + 1
+    assert not s.unchanged() and graphs_mod._Set(grad=False).unchanged()

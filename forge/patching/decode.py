@@ -249,6 +249,10 @@ class Decoder:
             self.graphs.stats.count("generate: transformers prepared no DynamicCache to stand in for")
             return
         slot = self._slot(batch_size * max(cfg.num_beams or 1, cfg.num_return_sequences or 1), max_cache_length)
+        if slot.stale():  # their graphs point at a freed cuBLAS workspace: never replayed
+            slot.drop_steps()
+            self.graphs.stats.count("generate: decoding steps captured again (torch's cuBLAS workspaces were "
+                                    "cleared since their capture, e.g. by torch.compile's CUDA graphs)")
         slot.reset()
         model_kwargs[name] = slot.cache
         cfg.disable_compile = True  # generate's own config copy: no torch.compile of the forward

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .graphs import watch_workspaces, workspace_epoch
 from .guard import CAPTURE
 
 WARMUP = 2  # uncaptured steps of a signature before its capture
@@ -304,6 +305,17 @@ class CachedSteps:
         self.keep = None  # (B, C) bool: the 2-D padding mask, beyond the current length anything
         self.kv_idx = None  # (C,) long: 0 .. C - 1
         self.keep_ones = False  # keep holds ones throughout (a call with no 2-D mask)
+        self.epoch = workspace_epoch()  # cuBLAS workspace clears before the last capture (graphs.watch_workspaces)
+
+    def stale(self) -> bool:
+        """Steps captured before torch's cuBLAS workspaces were last cleared (graphs.watch_workspaces)."""
+        return bool(self.steps) and self.epoch != workspace_epoch()
+
+    def drop_steps(self):
+        """Forget the captured steps (their graphs and static buffers): captured again as they come."""
+        self.steps.clear()
+        self.fast.clear()
+        self.seen.clear()
 
     def reset(self):
         """Empty the cache in place (its tensors keep their addresses: the graphs stay valid)."""
@@ -419,6 +431,8 @@ class CachedSteps:
         return step.template
 
     def _capture(self, forward, kw, sig, backend, owner, stats):
+        watch_workspaces()
+        self.epoch = workspace_epoch()
         s = _Step()
         s.ids, s.pos = kw["input_ids"].clone(), kw["position_ids"].clone()
         # checked equal to what build() gives (keep loaded by that check): the graph builds them

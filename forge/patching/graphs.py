@@ -124,8 +124,11 @@ class _Set:
         self.cos = self.sin = self.g = self.flat = None
         self.recorder = self.cache_name = None  # a prefill into an empty KV cache
         self.checks: list = []  # (module, name, tensor, data_ptr, requires_grad) per param/buffer
+        self.epoch = workspace_epoch()  # (captured after this many cuBLAS workspace clears)
 
     def unchanged(self) -> bool:
+        if self.epoch != workspace_epoch():
+            return False  # torch's cuBLAS workspaces were cleared since the capture
         for mod, name, t, ptr, rg in self.checks:
             cur = mod._parameters.get(name) if rg is not None else mod._buffers.get(name)
             if cur is not t or t.data_ptr() != ptr or (rg is not None and t.requires_grad is not rg):
@@ -211,6 +214,30 @@ class _KVRecorder:
 
 
 _STREAMS: dict = {}  # device -> the process's capture stream
+_EPOCH = [0]  # how many times torch's cuBLAS workspaces were cleared since watch_workspaces()
+
+
+def workspace_epoch() -> int:
+    return _EPOCH[0]
+
+
+def watch_workspaces() -> None:
+    """Count every clear of torch's cuBLAS workspaces (``torch._C._cuda_clearCublasWorkspaces``,
+    which torch.compile's CUDA graph trees call before and after each recording). A graph captured
+    before a clear points at the workspace it freed, and replaying it would let cuBLAS scribble
+    on whatever the allocator put there since; forge's graphs remember the count they were
+    captured at and are captured again instead (``workspace_epoch``). Wraps the function once;
+    the wrapper only counts and calls it."""
+    f = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if f is None or getattr(f, "_forge_counts", False):
+        return
+
+    def clear(*args, **kwargs):
+        _EPOCH[0] += 1
+        return f(*args, **kwargs)
+
+    clear._forge_counts = True
+    torch._C._cuda_clearCublasWorkspaces = clear
 
 
 def capture_stream(dev) -> "torch.cuda.Stream":
@@ -325,7 +352,8 @@ class Graphs:
                cos.dtype, tuple(sin.shape), sin.dtype)
         s = self.sets.get(key)
         if s is not None and not s.unchanged():
-            del self.sets[key]  # parameters replaced, moved or (un)frozen since the capture:
+            del self.sets[key]  # parameters replaced, moved or (un)frozen, or cuBLAS workspaces
+            # cleared (see watch_workspaces), since the capture:
             self.seen[key] = 1  # captured again now (the shape does come back)
             s = None
         if s is None:
@@ -381,6 +409,7 @@ class Graphs:
         return s
 
     def _capture_set(self, kind, x0, cos, sin, cache_name):
+        watch_workspaces()
         s = _Set(kind[0])
         if kind[1]:
             s.recorder, s.cache_name = _KVRecorder(), cache_name
