@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .graphs import watch_workspaces, workspace_epoch
+from .graphs import capture_stream, watch_workspaces, workspace_epoch
 from .guard import CAPTURE
 
 WARMUP = 2  # uncaptured steps of a signature before its capture
@@ -131,8 +131,6 @@ class CudaGraphs:
         if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
             yield
             return
-        from .graphs import capture_stream
-
         side, cur = capture_stream(dev), torch.cuda.current_stream(dev)
         if side == cur:
             yield
@@ -146,8 +144,6 @@ class CudaGraphs:
 
     @staticmethod
     def _stream(owner, dev):
-        from .graphs import capture_stream  # the process's one capture stream per device
-
         side, cur = capture_stream(dev), torch.cuda.current_stream(dev)
         if side != cur:
             side.wait_stream(cur)
