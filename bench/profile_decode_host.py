@@ -59,9 +59,10 @@ class _NoReplay:
         pass
 
 
-class NoOpGraphs:
+class NoOpGraphs(decode_runtime.CudaGraphs):
     """A CPU stand-in for decode_runtime.CudaGraphs whose replay does nothing: the capture runs the
-    step once (its logits tensor is the output buffer), every replay leaves it as it is."""
+    step once (its logits tensor is the output buffer), every replay leaves it as it is (``serve``
+    is CudaGraphs' own, which does nothing off a CUDA device)."""
 
     @staticmethod
     def why_not(device):
