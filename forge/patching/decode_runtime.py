@@ -121,6 +121,14 @@ class CudaGraphs:
         return None
 
     @staticmethod
+    def _streams(dev):
+        """(the process's capture stream, the caller's), the former waiting for the latter."""
+        side, cur = capture_stream(dev), torch.cuda.current_stream(dev)
+        if side != cur:
+            side.wait_stream(cur)
+        return side, cur
+
+    @staticmethod
     @contextlib.contextmanager
     def serve(dev):
         """A generate() call forge serves runs on the capture stream, the caller's stream waiting
@@ -131,28 +139,19 @@ class CudaGraphs:
         if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
             yield
             return
-        side, cur = capture_stream(dev), torch.cuda.current_stream(dev)
+        side, cur = CudaGraphs._streams(dev)
         if side == cur:
             yield
             return
-        side.wait_stream(cur)
         try:
             with torch.cuda.stream(side):
                 yield
         finally:
             cur.wait_stream(side)
 
-    @staticmethod
-    def _stream(owner, dev):
-        side, cur = capture_stream(dev), torch.cuda.current_stream(dev)
-        if side != cur:
-            side.wait_stream(cur)
-        return side
-
     def warm(self, fn, owner, dev):
         """An uncaptured step on the capture stream (cuBLAS keeps a workspace per stream)."""
-        cur = torch.cuda.current_stream(dev)
-        side = self._stream(owner, dev)
+        side, cur = self._streams(dev)
         with torch.cuda.stream(side):
             out = fn()
         if side != cur:
@@ -161,10 +160,9 @@ class CudaGraphs:
 
     def capture(self, fn, owner, dev):
         """(graph, fn's output tensor at its static address); the kernels are recorded, not run."""
-        side = self._stream(owner, dev)
+        side, cur = self._streams(dev)
         if owner.pool is None:
             owner.pool = torch.cuda.graph_pool_handle()
-        cur = torch.cuda.current_stream(dev)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=owner.pool, stream=side):
             out = fn()
