@@ -42,5 +42,8 @@ def __getattr__(name):
         raise AttributeError(f"module 'bridge' has no attribute {name!r}")
     runtime.require()
     fn = getattr(importlib.import_module(f"{__name__}.{where[0]}"), where[1])
+    from . import native
+
+    native.prepare()  # Triton's start-up for the native launch here, not in the kernel's first call
     globals()[name] = fn
     return fn

@@ -70,6 +70,7 @@ _KERNELS: dict = {}
 _COMPILES = [0]  # triton.compile calls in this process
 # seconds spent building plans, by part (bench/bench_first_call.py reports them)
 _TIMES = {"trace": 0.0, "lower": 0.0, "compile": 0.0, "build": 0.0}
+_TRACES = [0]  # jaxpr traces in this process (a plan from a recipe on disk traces nothing)
 
 
 class Unsupported(Exception):
@@ -95,6 +96,26 @@ def _process_reason() -> str | None:
     return None
 
 
+@functools.cache
+def prepare() -> bool:
+    """Start what every native launch in this process needs, once: Triton's compiler and runtime
+    modules and its driver's target. ``bridge`` calls it when a Pallas kernel is handed out
+    (``forge.ops.get``, ``forge.patch``), so a kernel's first call pays only for its own plan
+    (Triton's start-up is 0.1-0.2 s, as for forge's Triton backend, which imports it with its
+    kernels). True where the native path is on."""
+    if not _available():
+        return False
+    if launcher() == "triton":
+        try:
+            import triton.compiler.compiler  # noqa: F401
+            import triton.runtime.cache  # noqa: F401
+
+            _target()
+        except Exception as e:  # noqa: BLE001 - the first plan meets (and reports) it again
+            log.debug("pallas native: Triton's start-up failed (%s)", e)
+    return True
+
+
 def launcher() -> str:
     if _LAUNCHER is not None:
         return _LAUNCHER
@@ -118,6 +139,7 @@ def set_launcher(name: str | None, *, lower: bool = False) -> None:
     _COMPILES[0] = 0
     _process_reason.cache_clear()
     _available.cache_clear()
+    prepare.cache_clear()
     clear()
 
 
@@ -175,6 +197,14 @@ def _torch_dtype(jdt) -> torch.dtype:
     return dt
 
 
+def _tdt(name: str) -> torch.dtype:
+    """A dtype as recipes write it (``"bfloat16"``)."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise Unsupported(f"dtype {name}")
+    return dt
+
+
 def _jax_dtype(tdt):
     import jax.numpy as jnp
 
@@ -182,8 +212,9 @@ def _jax_dtype(tdt):
 
 
 # ------------------------------------------------------------------------------ torch primitives
-# Each entry: (params, ctx) -> fn(*operands) returning one value or a list (multiple results);
-# ctx holds the equation's output dtype and shape and the plan's device box. Operands are torch
+# Each entry: (params, ctx) -> fn(*operands) returning one value or a list (multiple results).
+# params are the equation's, as plain data (_PARAMS: lists, ints, dtype names); ctx holds the
+# equation's output dtype and shape and the plan's device box. Operands are torch
 # tensors or Python scalars (literals, and what folds from them).
 
 
@@ -192,7 +223,7 @@ class _Ctx:
 
 
 def _convert(p, ctx):
-    dt = _torch_dtype(p["new_dtype"])
+    dt = _tdt(p["new_dtype"])
     py = float if dt.is_floating_point else (bool if dt == torch.bool else int)
     return lambda x: x.to(dt) if isinstance(x, torch.Tensor) else py(x)
 
@@ -339,6 +370,35 @@ _PRIMS = {
     "copy_p": _elementwise(lambda a: a.clone()),
 }
 
+# the parameters each entry of _PRIMS reads (a recipe keeps these, as plain data, and no others)
+_PARAMS = {
+    "convert_element_type": ("new_dtype",),
+    "reshape": ("new_sizes", "dimensions"),
+    "broadcast_in_dim": ("shape", "broadcast_dimensions"),
+    "pad": ("padding_config",),
+    "concatenate": ("dimension",),
+    "dot_general": ("dimension_numbers",),
+    "transpose": ("permutation",),
+    "slice": ("start_indices", "limit_indices", "strides"),
+    "reduce_sum": ("axes",),
+    "reduce_max": ("axes",),
+}
+
+
+def _plain(v):
+    """A jaxpr parameter as JSON data: tuples as lists, numpy scalars as Python's, dtypes by name."""
+    import numpy as np
+
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if isinstance(v, np.dtype) or type(v).__name__ == "dtype":
+        return str(_torch_dtype(v)).removeprefix("torch.")
+    if isinstance(v, np.generic):
+        return v.item()
+    raise Unsupported(f"a parameter of type {type(v).__name__}")
+
 
 # ------------------------------------------------------------------------------ pallas_call
 
@@ -361,28 +421,36 @@ def _versions() -> tuple:
     return (jax.__version__, jaxlib.__version__, tv)
 
 
-def _lowered(eqn, key: str):
-    """The TTIR of ``eqn``, from the disk cache or lowered now (and stored)."""
+def _lowered(key: str, eqn_of):
+    """The TTIR of a ``pallas_call``, from the disk cache or lowered now (and stored); ``eqn_of()``
+    gives its equation (a trace, when the plan came from a recipe on disk)."""
     path = os.path.join(_cache_dir(), "pallas-native", key + ".json")
     try:
         with open(path) as f:
             d = json.load(f)
-        return JI.Lowered(d["ttir"], tuple(d["grid"]), d["num_warps"], d["num_stages"]), path
+        return JI.Lowered(d["ttir"], tuple(d["grid"]), d["num_warps"], d["num_stages"])
     except (OSError, ValueError, KeyError):
         pass
+    eqn = eqn_of()
     t0 = time.perf_counter()
     low = JI.lower_pallas_call(eqn)
     _TIMES["lower"] += time.perf_counter() - t0
+    _write_json(path, {"ttir": low.ttir, "grid": low.grid, "num_warps": low.num_warps,
+                       "num_stages": low.num_stages})
+    return low
+
+
+def _write_json(path, data) -> None:
+    """Write ``data`` to ``path`` atomically; a read-only cache folder only costs the next
+    process the work again."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"ttir": low.ttir, "grid": low.grid, "num_warps": low.num_warps,
-                       "num_stages": low.num_stages}, f)
+            json.dump(data, f)
         os.replace(tmp, path)
-    except OSError as e:  # a read-only home: lower again next time
+    except OSError as e:
         log.debug("forge: cannot write the native-launch cache %s: %s", path, e)
-    return low, path
 
 
 _FAST_TRITON = None
@@ -448,20 +516,37 @@ def _binary_index(path, target, options):
     None where the index must not be used (Triton set to recompile or override kernels, or
     internals it does not have)."""
     try:
-        import triton
         from triton import knobs
         from triton._C.libtriton import get_cache_invalidating_env_vars
 
         if knobs.compilation.always_compile or knobs.compilation.override or knobs.cache.manager_class:
             return None
-        lib_dir = os.path.join(os.path.dirname(triton.__file__), "_C")
-        libs = sorted(n for n in os.listdir(lib_dir) if n.startswith("libtriton."))
-        stats = [(n, st.st_size, st.st_mtime_ns) for n in libs for st in [os.stat(os.path.join(lib_dir, n))]]
-        stamp = repr((triton.__version__, stats, (target.backend, target.arch, target.warp_size),
+        stamp = repr((_triton_stamp(), (target.backend, target.arch, target.warp_size),
                       sorted(options.items()), sorted(get_cache_invalidating_env_vars().items())))
     except Exception:  # noqa: BLE001 - another Triton: no index, triton.compile as before
         return None
     return f"{path}.{hashlib.sha256(stamp.encode()).hexdigest()[:24]}.json"
+
+
+@functools.cache
+def _triton_stamp():
+    """Triton's version and its compiler library's size and time stamp: once a process."""
+    import triton
+
+    lib_dir = os.path.join(os.path.dirname(triton.__file__), "_C")
+    libs = sorted(n for n in os.listdir(lib_dir) if n.startswith("libtriton."))
+    return triton.__version__, [(n, st.st_size, st.st_mtime_ns) for n in libs for st in [os.stat(os.path.join(lib_dir, n))]]
+
+
+class _IndexedSource:
+    """What Triton 3.6's launcher reads of a kernel's source, its argument types, kept in the
+    index: the TTIR is not parsed again (Triton's IRSource loads its MLIR dialects and parses the
+    module to find them)."""
+
+    ext = "ttir"
+
+    def __init__(self, path, signature, name):
+        self.path, self.signature, self.name = path, dict(enumerate(signature)), name
 
 
 def _indexed_binary(index, path, target):
@@ -472,7 +557,6 @@ def _indexed_binary(index, path, target):
     try:
         with open(index) as f:
             rec = json.load(f)
-        from triton._C.libtriton import ir
         from triton.compiler.compiler import CompiledKernel, IRSource, make_backend
         from triton.runtime.cache import get_cache_manager
 
@@ -480,7 +564,13 @@ def _indexed_binary(index, path, target):
         if not group or rec["metadata"] not in group:
             return None
         # what triton.compile builds on a cache hit, less the cache key
-        return CompiledKernel(IRSource(path, ir.context(), make_backend(target)), group, rec["hash"])
+        if _fast_triton() and rec.get("signature") is not None:
+            src = _IndexedSource(path, rec["signature"], rec.get("name"))
+        else:
+            from triton._C.libtriton import ir
+
+            src = IRSource(path, ir.context(), make_backend(target))
+        return CompiledKernel(src, group, rec["hash"])
     except Exception as e:  # noqa: BLE001 - a damaged index or entry: compile as before
         log.debug("pallas native: index %s not used (%s)", index, e)
         return None
@@ -492,10 +582,9 @@ def _write_index(index, ck) -> None:
     meta = [k for k in ck.metadata_group if k.endswith(".json") and not k.startswith("__grp__")]
     if len(meta) != 1:
         return
-    tmp = f"{index}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"hash": ck.hash, "metadata": meta[0]}, f)
-    os.replace(tmp, index)
+    sig = getattr(ck.src, "signature", None)
+    sig = [sig[i] for i in range(len(sig))] if isinstance(sig, dict) and all(isinstance(v, str) for v in sig.values()) else None
+    _write_json(index, {"hash": ck.hash, "metadata": meta[0], "signature": sig, "name": getattr(ck.src, "name", None)})
 
 
 class _TritonLaunch:
@@ -519,19 +608,21 @@ class _TritonLaunch:
 
 
 class _JaxEval:
-    """Evaluates the ``pallas_call`` with JAX (interpret mode on CPU): the CPU tests' launcher."""
+    """Evaluates the ``pallas_call`` with JAX (interpret mode on CPU): the CPU tests' launcher.
+    ``eqn_of()`` gives the equation, on the first call (a plan built from a recipe on disk has
+    traced nothing)."""
 
-    def __init__(self, eqn):
-        import jax
-
-        self.eqn = eqn
-        self.fn = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params))
+    def __init__(self, eqn_of):
+        self.eqn_of, self.eqn, self.fn = eqn_of, None, None
 
     def __call__(self, args):
         import jax
 
         from . import core
 
+        if self.eqn is None:
+            eqn = self.eqn = self.eqn_of()
+            self.fn = jax.jit(lambda *xs: eqn.primitive.bind(*xs, **eqn.params))
         n_in = len(self.eqn.invars)
         # copies: an aliased input may come back as JAX's output buffer, which JAX would then
         # consider its own and reuse after the array dies, under the plan's tensor
@@ -551,23 +642,23 @@ def _ready(t):
     return t
 
 
-def _pallas_step(eqn, key, later_uses, ctx, out_shapes):
-    outs = eqn.outvars
-    out_meta = [(out_shapes.get(j, tuple(v.aval.shape)), _torch_dtype(v.aval.dtype)) for j, v in enumerate(outs)]
-    aliases = {int(o): int(i) for i, o in eqn.params.get("input_output_aliases", ())}
-    # an aliased input the plan still needs (or was given) is copied before the kernel writes it
-    copy_alias = {o: i for o, i in aliases.items() if later_uses(eqn.invars[i])}
+def _pallas_step(st, eqn_of, ctx):
+    """The torch-side step of a recipe's ``pallas_call`` record ``st``."""
+    out_meta = [(tuple(shape), _tdt(dt)) for shape, dt in st["meta"]]
+    aliases = {o: i for o, i in st["alias"]}
+    copy_alias = set(st["copy"])  # aliased inputs the plan still needs: copied before the kernel writes them
+    get = functools.partial(eqn_of, st["n"])
     if launcher() == "jax":
-        launch = _JaxEval(eqn)
+        launch = _JaxEval(get)
         if _LOWER_WITH_JAX:
-            low, _ = _lowered(eqn, key)
+            low = _lowered(st["k"], get)
             _KERNELS.setdefault(_kernel_key(low), low.ttir)
     else:
-        low, _ = _lowered(eqn, key)
+        low = _lowered(st["k"], get)
         try:
             launch = _TritonLaunch(low)
         except Exception as e:  # noqa: BLE001 - a compile failure declines, it never crashes a call
-            raise Unsupported(f"Triton could not compile the lowered {eqn.params.get('name')}: {e}") from e
+            raise Unsupported(f"Triton could not compile the lowered {st['name']}: {e}") from e
 
     def fn(*ins):
         ins = [_ready(t) for t in ins]
@@ -658,6 +749,10 @@ class _Lit:
     def __init__(self, v):
         if getattr(v, "ndim", None) == 0:
             v = v.item()
+        for py in (bool, int, float):  # jax's weakly typed scalars (TypedInt, ...) as plain ones
+            if isinstance(v, py):
+                v = py(v)
+                break
         self.v = v
 
 
@@ -701,14 +796,16 @@ def _elide_reshapes(flat_eqns, outvars):
     return kept, overrides
 
 
-def _build(fn, args, key_prefix):
+def _recipe(fn, args, key_prefix):
+    """Trace ``fn`` on ``args`` (avals) into a recipe: the plan as plain data (the form the disk
+    cache keeps), and the ``pallas_call`` equations in program order (what lowers them)."""
     import jax
 
     t0 = time.perf_counter()
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     _TIMES["trace"] += time.perf_counter() - t0
+    _TRACES[0] += 1
     out_tree = jax.tree_util.tree_structure(out_shape)
-    steps = []
     jaxpr = closed.jaxpr
     consts = {}
     for v, c in zip(jaxpr.constvars, closed.consts):
@@ -738,56 +835,165 @@ def _build(fn, args, key_prefix):
     outvars = [_Lit(v.val) if JI.is_literal(v) else top.get(v, _Var(v)) for v in jaxpr.outvars]
     invars = [_Var(v) for v in jaxpr.invars]
     given = set(invars) | set(consts)
-    final = {k for k in outvars if type(k) is _Var}
 
     flat_eqns, overrides = _elide_reshapes(flat_eqns, outvars)
     final = {k for k in outvars if type(k) is _Var}
 
-    # slots: every variable and literal gets one; constants and literals are in the template
+    # slots: every variable and literal gets one; literals are in the template, constants in
+    # "consts" (slot -> tensor)
     slots: dict = {}
     template: list = []
 
-    def slot(k, value=None):
+    def slot(k):
         if type(k) is _Lit:
             template.append(k.v)
             return len(template) - 1
         i = slots.get(k)
         if i is None:
             i = slots[k] = len(template)
-            template.append(value)
+            template.append(None)
         return i
 
-    for k, c in consts.items():
-        slot(k, c)
+    rec_consts = {slot(k): c for k, c in consts.items()}
     in_slots = [slot(k) for k in invars]
-    dev = [None]
+    steps, eqns = [], []
     for n, (e, ins, outs) in enumerate(flat_eqns):
         name = e.primitive.name
         aval = e.outvars[0].aval
-        ctx = _Ctx()
-        ctx.out_dtype = _torch_dtype(aval.dtype) if hasattr(aval, "dtype") else None
-        ctx.out_shape, ctx.dev = tuple(getattr(aval, "shape", ())), dev
+        st = {"p": name, "i": [slot(k) for k in ins]}
+        out_idx = [slot(k) for k in outs]
         if name == JI.PALLAS_CALL:
-            def later(v, n=n, ins=ins, e=e):
-                k = ins[e.invars.index(v)]
+            def later(i, n=n, ins=ins):  # does the plan read input i after this kernel?
+                k = ins[i]
                 if type(k) is not _Var or k in given or k in final:
                     return True
                 return any(k in later_ins for _, later_ins, _ in flat_eqns[n + 1:])
 
-            key = hashlib.sha256(repr((_versions(), key_prefix, n)).encode()).hexdigest()[:32]
-            step = _pallas_step(e, key, later, ctx, overrides.get(n, {}))
+            grow = overrides.get(n, {})
+            aliases = [(int(o), int(i)) for i, o in e.params.get("input_output_aliases", ())]
+            st.update(
+                n=len(eqns), name=str(e.params.get("name")), o=out_idx,
+                k=hashlib.sha256(repr((_versions(), _code_stamp(), key_prefix, n)).encode()).hexdigest()[:32],
+                meta=[[list(grow.get(j, v.aval.shape)), _plain(v.aval.dtype)] for j, v in enumerate(e.outvars)],
+                alias=[[o, i] for o, i in aliases], copy=[o for o, i in aliases if later(i)])
+            eqns.append(e)
         else:
-            make = _PRIMS.get(name)
-            if make is None:
+            if name not in _PRIMS:
                 raise Unsupported(f"no torch equivalent for the XLA primitive {name!r}")
-            step = make(e.params, ctx)
-        idx = tuple(slot(k) for k in ins)
-        out_idx = [slot(k) for k in outs]
-        multi = name == JI.PALLAS_CALL or e.primitive.multiple_results
-        steps.append((step, idx, out_idx if multi else out_idx[0]))
-    flat_out = [slot(k) for k in outvars]
-    shape = jax.tree_util.tree_unflatten(out_tree, flat_out)
-    return Plan(steps, template, in_slots, _assembler(shape), dev)
+            st.update(
+                a={k: _plain(e.params.get(k)) for k in _PARAMS.get(name, ())},
+                dt=_plain(aval.dtype) if hasattr(aval, "dtype") else None, sh=list(getattr(aval, "shape", ())),
+                o=out_idx if e.primitive.multiple_results else out_idx[0])
+        steps.append(st)
+    out = jax.tree_util.tree_unflatten(out_tree, [slot(k) for k in outvars])
+    rec = {"template": template, "consts": rec_consts, "in": in_slots, "steps": steps, "out": out}
+    return rec, eqns
+
+
+def _from_recipe(rec, eqn_of):
+    """The plan a recipe describes; ``eqn_of(n)`` gives its n-th ``pallas_call`` equation where
+    one is needed (a TTIR missing from the disk cache, the CPU tests' JAX launcher)."""
+    template = list(rec["template"])
+    for i, c in rec["consts"].items():
+        template[int(i)] = c
+    dev = [None]
+    steps = []
+    for st in rec["steps"]:
+        ctx = _Ctx()
+        ctx.dev = dev
+        if st["p"] == JI.PALLAS_CALL:
+            fn = _pallas_step(st, eqn_of, ctx)
+        else:
+            ctx.out_dtype = _tdt(st["dt"]) if st["dt"] is not None else None
+            ctx.out_shape = tuple(st["sh"])
+            fn = _PRIMS[st["p"]](st["a"], ctx)
+        out = st["o"]
+        steps.append((fn, tuple(st["i"]), out if type(out) is int else list(out)))
+    return Plan(steps, template, list(rec["in"]), _assembler(_tuples(rec["out"])), dev)
+
+
+def _tuples(tree):
+    return tuple(_tuples(t) for t in tree) if isinstance(tree, (list, tuple)) else tree
+
+
+# A recipe on disk lets a later process build the plan without tracing (the trace was most of a
+# warm first call's plan build). Kept only when it is all plain data: small constants, scalar
+# literals, an output tree of tuples.
+_CONST_MAX = 1024
+
+
+def _recipe_json(rec):
+    """``rec`` as JSON data, or None where it holds something a file would not give back."""
+    consts = {}
+    for i, c in rec["consts"].items():
+        if c.numel() > _CONST_MAX:
+            return None
+        consts[str(i)] = [str(c.dtype).removeprefix("torch."), list(c.shape), c.flatten().tolist()]
+
+    def plain_tree(t):
+        return t is None or type(t) is int or (type(t) is tuple and all(plain_tree(x) for x in t))
+
+    if not plain_tree(rec["out"]) or not all(v is None or type(v) in (bool, int, float) for v in rec["template"]):
+        return None
+    return {**rec, "consts": consts}
+
+
+def _recipe_from_json(d):
+    d["consts"] = {int(i): torch.tensor(v, dtype=_tdt(dt)).reshape(shape) for i, (dt, shape, v) in d["consts"].items()}
+    return d
+
+
+def _recipe_path(key_prefix) -> str:
+    key = hashlib.sha256(repr((_versions(), _code_stamp(), key_prefix)).encode()).hexdigest()[:32]
+    return os.path.join(_cache_dir(), "pallas-native", f"plan-{key}.json")
+
+
+@functools.cache
+def _code_stamp() -> str:
+    """A hash of the code that decides what a cached recipe or TTIR holds: forge_pallas' kernels,
+    this module and its JAX internals. A new forge (or an edited kernel) lowers again."""
+    import forge_pallas
+
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    pallas = os.path.dirname(os.path.abspath(forge_pallas.__file__))
+    files = [os.path.join(pallas, f) for f in sorted(os.listdir(pallas)) if f.endswith(".py")]
+    for f in files + [os.path.join(here, "native.py"), os.path.join(here, "_jax_internals.py")]:
+        with open(f, "rb") as fh:
+            h.update(os.path.basename(f).encode() + b"\0" + fh.read())
+    return h.hexdigest()[:16]
+
+
+def _build(fn, args, key_prefix):
+    """The plan of ``fn`` on ``args`` (avals): from its recipe on disk when there is one (no
+    trace), else traced, built, and its recipe stored."""
+    path = _recipe_path(key_prefix)
+    try:
+        with open(path) as f:
+            rec = _recipe_from_json(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError):
+        rec = None
+    if rec is not None:
+        eqns = []
+
+        def eqn_of(n):  # a trace only where a pallas_call's equation is needed after all
+            if not eqns:
+                t0 = time.perf_counter()
+                eqns.extend(pallas_eqns(fn, args))
+                _TIMES["trace"] += time.perf_counter() - t0
+                _TRACES[0] += 1
+            return eqns[n]
+
+        try:
+            return _from_recipe(rec, eqn_of)
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # a damaged recipe: trace
+            log.debug("pallas native: recipe %s not used (%s)", path, e)
+    rec, eqns = _recipe(fn, args, key_prefix)
+    p = _from_recipe(rec, eqns.__getitem__)
+    data = _recipe_json(rec)
+    if data is not None:
+        _write_json(path, data)
+    return p
 
 
 def pallas_eqns(fn, args) -> list:
@@ -865,7 +1071,7 @@ def plan(kdef, which: str, skey, fn, args: tuple, leaves=None):
             return None
         t0 = time.perf_counter()
         try:
-            p = _build(fn, _aval(args), (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind()))
+            p = _build(fn, _aval(args), (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind(), _x64()))
         except Unsupported as e:
             _decline(kdef.name, which, str(e))
             p = False
@@ -874,6 +1080,12 @@ def plan(kdef, which: str, skey, fn, args: tuple, leaves=None):
         if len(_PLANS) > _PLANS_MAX:
             _PLANS.popitem(last=False)
         return p or None
+
+
+def _x64() -> bool:
+    import jax
+
+    return bool(jax.config.read("jax_enable_x64"))  # (it changes what a trace holds)
 
 
 @functools.cache
