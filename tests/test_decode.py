@@ -650,6 +650,41 @@ def test_a_served_call_keeps_one_cublas_workspace_in_use():
     assert one <= -dropped < 2 * one, f"the call left {-dropped / 2**20:.1f} MiB of workspaces, one is {one / 2**20:.1f}"
 
 
+@pytest.mark.gpu
+def test_forge_graphs_after_torch_compiles_cudagraph_trees_gpu():
+    # torch.compile(mode="reduce-overhead") records CUDA graph trees in the same process and clears
+    # the cuBLAS workspaces around each recording: forge's captured steps are captured again
+    # rather than replayed over the freed workspace, and the tokens stay eager's
+    model = _model("qwen2", "gpu_demo", torch.bfloat16, "cuda")
+    eager_model = copy.deepcopy(model)
+    ids, mask = _prompt(model, 2, 16, "cuda")
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = eager_model.generate(ids, **kw)
+    forge.patch(model, mode="infer", backend="triton", graphs=True)
+    st = model._forge_graphs.stats
+    with torch.no_grad():
+        first = model.generate(ids, **kw)
+    assert st.decode_captures == 1, st
+    lin = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+    step = torch.compile(lambda x: torch.relu(lin(x)) @ lin.weight, mode="reduce-overhead")
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, record, replay
+            y = step(x).clone()
+    torch.cuda.synchronize()
+    assert torch.allclose(y.float(), (torch.relu(lin(x)) @ lin.weight).float(), atol=1e-2, rtol=1e-2)
+    from forge.patching import graphs
+
+    assert graphs.workspace_epoch() > 0, "torch.compile cleared no cuBLAS workspace: nothing was tested"
+    with torch.no_grad():
+        again = model.generate(ids, **kw)
+        model.generate(ids, **kw)
+    assert st.decode_captures == 2, st
+    assert torch.equal(first, want) and torch.equal(again, want)
+    forge.unpatch(model)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", *forge.ops.BACKENDS])
 def test_packed_gqa_attention_matches_repeated_kv(attention):
     # one new token per sequence: the query heads of each KV head attend as that head's rows
