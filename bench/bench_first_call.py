@@ -10,8 +10,9 @@ inputs, synchronises, then times (1) the first forward call (no autograd) and (2
 forward + backward (a new autograd graph: the backward's plan is built here), each to a device
 synchronise. It also reports where the plan-building time went (``bridge.native.timings()``:
 jaxpr trace, lowering to TTIR, triton.compile), how many passes were traced (a warm process
-builds its plans from their recipes on disk: none) and how many kernels Triton compiled, and the
-time ``forge.ops.get`` took (where the Pallas backend starts Triton's runtime, once a process).
+builds its plans from their recipes on disk: none) and how many kernels Triton compiled, the
+time JAX's import and start-up took (``jax_ms``, before anything else: once a process) and the
+time ``forge.ops.get`` took after it (where the Pallas backend starts Triton, once a process).
 The target is a warm first call of at most 50 ms (docs/pallas-native.md).
 
 --quick runs on a CPU: tiny shapes, each ``pallas_call`` evaluated by JAX's interpreter
@@ -67,6 +68,10 @@ _CHILD = textwrap.dedent("""
                   w(h, i), w(r, i, grad=grad), w(h, r, grad=grad)]
             return (w(m, h, grad=grad), *ws), {"scale_gate": 2.0, "scale_up": 2.0, "scale_down": 0.5}, (0,)
         raise SystemExit(f"unknown kernel {kernel}")
+    t_jax = time.perf_counter()
+    from bridge import runtime
+    runtime.jax_has_gpu()  # importing JAX and starting its backends: once a process, timed apart
+    jax_ms = 1e3 * (time.perf_counter() - t_jax)
     t_get = time.perf_counter()
     fn = forge.ops.get(kernel, "pallas")  # (where the Pallas backend starts Triton: bridge.native.prepare)
     get_ms = 1e3 * (time.perf_counter() - t_get)
@@ -104,7 +109,7 @@ _CHILD = textwrap.dedent("""
     st = native.status()
     tm = native.timings()
     print("RESULT " + json.dumps({
-        "get_ms": get_ms, "fwd_ms": 1e3 * (t1 - t0), "fwd_bwd_ms": 1e3 * (t2 - t1), "traces": native._TRACES[0],
+        "jax_ms": jax_ms, "get_ms": get_ms, "fwd_ms": 1e3 * (t1 - t0), "fwd_bwd_ms": 1e3 * (t2 - t1), "traces": native._TRACES[0],
         "trace_ms": 1e3 * tm["trace"], "lower_ms": 1e3 * tm["lower"], "compile_ms": 1e3 * tm["compile"],
         "build_ms": 1e3 * tm["build"], "bwd_build_ms": 1e3 * (tm["build"] - before["build"]),
         "plans": st["plans"], "kernels": st["kernels"], "compiles": st["compiles"],
@@ -151,7 +156,7 @@ def main():
                                                           for k, v in res.items()}}
                 row["declined"] = json.dumps(row["declined"]) if row["declined"] else ""
                 rows.append(row)
-    cols = ["kernel", "cache", "get_ms", "fwd_ms", "fwd_bwd_ms", "trace_ms", "lower_ms", "compile_ms", "build_ms",
+    cols = ["kernel", "cache", "jax_ms", "get_ms", "fwd_ms", "fwd_bwd_ms", "trace_ms", "lower_ms", "compile_ms", "build_ms",
             "plans", "traces", "compiles"]
     print(" ".join(f"{c:>11}" for c in cols))
     for r in rows:

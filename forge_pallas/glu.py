@@ -41,35 +41,48 @@ def _act(g, kind):
     return g * p, p + 2.0 * g * p * one_minus_p * _K * (1.0 + 3.0 * _A * g * g)
 
 
-def _glu_fwd_kernel(g_ref, u_ref, t_ref, y_ref, *, kind, block):
+def _blocks(t_ref, block, body):
+    """``body(s, mask)`` over this program's ``block`` elements. A whole block runs unmasked: the
+    element count is read at run time, so Triton cannot prove that a mask against it is constant
+    over a vector's lanes, and masked loads and stores go one element at a time (twice the
+    kernel's time at the model's MLP shape). Only the tail block is masked."""
     total = C.read_rows(t_ref)  # elements, at run time
+    start = pl.program_id(0) * block
+    s = C.ds(start, block)
+    whole = start + block <= total
+    pl.when(whole)(lambda: body(s, None))
+    pl.when(jnp.logical_not(whole))(lambda: body(s, start + jnp.arange(block) < total))
+
+
+def _ld(ref, s, mask, acc):
+    return C.load(ref.at[s], mask=mask, other=None if mask is None else 0.0).astype(acc)
+
+
+def _glu_fwd_kernel(g_ref, u_ref, t_ref, y_ref, *, kind, block):
     acc = C.acc_dtype(g_ref.dtype)
-    i = pl.program_id(0)
-    mask = i * block + jnp.arange(block) < total  # (BLOCK,)
-    s = C.ds(i * block, block)
-    g = C.load(g_ref.at[s], mask=mask, other=0.0).astype(acc)
-    u = C.load(u_ref.at[s], mask=mask, other=0.0).astype(acc)
-    a, _ = _act(g, kind)
-    C.store(y_ref.at[s], (a * u).astype(y_ref.dtype), mask=mask)
+
+    def body(s, mask):
+        a, _ = _act(_ld(g_ref, s, mask, acc), kind)
+        C.store(y_ref.at[s], (a * _ld(u_ref, s, mask, acc)).astype(y_ref.dtype), mask=mask)
+
+    _blocks(t_ref, block, body)
 
 
 # y = act(g) * u  =>  dg = dy * u * act'(g),  du = dy * act(g)   (act' in _act, derivations in spec)
 # With a y_ref (the gated MLP's backward) the kernel also writes y = act(g) * u, recomputed as
 # the forward computes it, for a caller that did not keep it.
 def _glu_bwd_kernel(g_ref, u_ref, dy_ref, t_ref, dg_ref, du_ref, *y_ref, kind, block):
-    total = C.read_rows(t_ref)
     acc = C.acc_dtype(g_ref.dtype)
-    i = pl.program_id(0)
-    mask = i * block + jnp.arange(block) < total
-    s = C.ds(i * block, block)
-    g = C.load(g_ref.at[s], mask=mask, other=0.0).astype(acc)
-    u = C.load(u_ref.at[s], mask=mask, other=0.0).astype(acc)
-    dy = C.load(dy_ref.at[s], mask=mask, other=0.0).astype(acc)
-    a, da = _act(g, kind)
-    C.store(dg_ref.at[s], (dy * u * da).astype(dg_ref.dtype), mask=mask)
-    C.store(du_ref.at[s], (dy * a).astype(du_ref.dtype), mask=mask)
-    if y_ref:
-        C.store(y_ref[0].at[s], (a * u).astype(y_ref[0].dtype), mask=mask)
+
+    def body(s, mask):
+        u, dy = _ld(u_ref, s, mask, acc), _ld(dy_ref, s, mask, acc)
+        a, da = _act(_ld(g_ref, s, mask, acc), kind)
+        C.store(dg_ref.at[s], (dy * u * da).astype(dg_ref.dtype), mask=mask)
+        C.store(du_ref.at[s], (dy * a).astype(du_ref.dtype), mask=mask)
+        if y_ref:
+            C.store(y_ref[0].at[s], (a * u).astype(y_ref[0].dtype), mask=mask)
+
+    _blocks(t_ref, block, body)
 
 
 # elements per program: 8 KB..16 KB per tensor, plenty of programs at MLP sizes. One size
