@@ -17,6 +17,22 @@ import torch  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    # Without a GPU the suite is CPU-bound interpreter work: where pytest-xdist is installed (the
+    # test extra) and no -n was given, it runs on two worker processes (about 25% less wall time
+    # on CI's two cores). With a GPU it stays in one process: the gpu cases share one device and
+    # some measure its memory. -n 0 (or -p no:xdist) runs it in one process anyway.
+    if HAS_CUDA or not config.pluginmanager.hasplugin("xdist") or config.getoption("collectonly"):
+        return
+    if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a worker itself: it runs what it is sent, it starts no workers of its own
+    if config.getoption("numprocesses", None) is None and config.getoption("dist", "no") == "no":
+        config.option.numprocesses = min(2, os.cpu_count() or 1)
+        if config.option.numprocesses > 1:
+            config.option.dist = "load"
+
+
 # Modules whose unmarked cases build their models and tensors on the CPU (the interpreters'
 # path); their gpu-marked cases are the same checks on CUDA at real shapes.
 CPU_TENSOR_MODULES = ("test_patching.py", "test_lora_patching.py", "test_flce_contract.py",
