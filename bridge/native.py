@@ -17,10 +17,11 @@ DLPack path's 0.2-1.5 ms, on torch's stream (so CUDA graphs capture it), in torc
 not know, a lowering that fails or a compile that fails stays on the DLPack path, with its
 reason in :func:`status` and one warning.
 
-Caches: the TTIR of each lowered ``pallas_call`` is kept on disk (``FORGE_CACHE_DIR``, default
-``~/.cache/forge``), keyed by the JAX, jaxlib and Triton versions, the kernel, its static
-arguments and shapes, so a second process neither lowers nor (through Triton's own cache)
-compiles again. Compiled kernels are keyed by the TTIR's hash (``_KERNELS``): the kernels read
+Caches: the TTIR of each lowered ``pallas_call`` and each plan's *recipe* (its steps as plain
+data, from which every plan is built) are kept on disk (``FORGE_CACHE_DIR``, default
+``~/.cache/forge``), keyed by the JAX, jaxlib and Triton versions, a stamp of forge_pallas' and
+this module's code, the kernel, its static arguments and shapes, so a second process neither
+traces, nor lowers, nor (through Triton's own cache and forge's index into it) compiles again. Compiled kernels are keyed by the TTIR's hash (``_KERNELS``): the kernels read
 their row count at run time, so plans at other row counts (per input shape: a new row count
 traces and lowers again) share one compile (docs/pallas-native.md). Plans are bounded
 (``_PLANS_MAX``).
