@@ -30,7 +30,7 @@ def pytest_cmdline_main(config):
     if config.getoption("numprocesses", None) is None and config.getoption("dist", "no") == "no":
         config.option.numprocesses = min(2, os.cpu_count() or 1)
         if config.option.numprocesses > 1:
-            config.option.dist = "loadgroup"  # as "load", but an xdist_group's tests share a worker
+            config.option.dist = "load"
 
 
 # Modules whose unmarked cases build their models and tensors on the CPU (the interpreters'

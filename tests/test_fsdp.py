@@ -60,10 +60,7 @@ def _fsdp_missing() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.skipif(_fsdp_missing() is not None, reason=str(_fsdp_missing())),
-              # one pytest-xdist worker for the module: its CPU fixture (a torchrun of every
-              # configuration, ~60 s) is then run once, not once per worker
-              pytest.mark.xdist_group("fsdp")]
+pytestmark = pytest.mark.skipif(_fsdp_missing() is not None, reason=str(_fsdp_missing()))
 
 
 def launch(tmp: Path, runs: list[str], *args: str, timeout: int) -> dict:
