@@ -191,15 +191,8 @@ def _decline(kname, which, why):
 
 
 def _torch_dtype(jdt) -> torch.dtype:
+    """A JAX dtype, or its name as a recipe keeps it (``"bfloat16"``), as torch's."""
     name = str(jdt)
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise Unsupported(f"dtype {name}")
-    return dt
-
-
-def _tdt(name: str) -> torch.dtype:
-    """A dtype as recipes write it (``"bfloat16"``)."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise Unsupported(f"dtype {name}")
@@ -224,7 +217,7 @@ class _Ctx:
 
 
 def _convert(p, ctx):
-    dt = _tdt(p["new_dtype"])
+    dt = _torch_dtype(p["new_dtype"])
     py = float if dt.is_floating_point else (bool if dt == torch.bool else int)
     return lambda x: x.to(dt) if isinstance(x, torch.Tensor) else py(x)
 
@@ -645,7 +638,7 @@ def _ready(t):
 
 def _pallas_step(st, eqn_of, ctx):
     """The torch-side step of a recipe's ``pallas_call`` record ``st``."""
-    out_meta = [(tuple(shape), _tdt(dt)) for shape, dt in st["meta"]]
+    out_meta = [(tuple(shape), _torch_dtype(dt)) for shape, dt in st["meta"]]
     aliases = {o: i for o, i in st["alias"]}
     copy_alias = set(st["copy"])  # aliased inputs the plan still needs: copied before the kernel writes them
     get = functools.partial(eqn_of, st["n"])
@@ -905,7 +898,7 @@ def _from_recipe(rec, eqn_of):
         if st["p"] == JI.PALLAS_CALL:
             fn = _pallas_step(st, eqn_of, ctx)
         else:
-            ctx.out_dtype = _tdt(st["dt"]) if st["dt"] is not None else None
+            ctx.out_dtype = _torch_dtype(st["dt"]) if st["dt"] is not None else None
             ctx.out_shape = tuple(st["sh"])
             fn = _PRIMS[st["p"]](st["a"], ctx)
         out = st["o"]
@@ -940,7 +933,7 @@ def _recipe_json(rec):
 
 
 def _recipe_from_json(d):
-    d["consts"] = {int(i): torch.tensor(v, dtype=_tdt(dt)).reshape(shape) for i, (dt, shape, v) in d["consts"].items()}
+    d["consts"] = {int(i): torch.tensor(v, dtype=_torch_dtype(dt)).reshape(shape) for i, (dt, shape, v) in d["consts"].items()}
     return d
 
 
