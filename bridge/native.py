@@ -46,7 +46,6 @@ import functools
 import hashlib
 import json
 import logging
-import operator
 import os
 import threading
 import time
@@ -254,8 +253,8 @@ def _broadcast(p, ctx):
     def fn(x):
         if not isinstance(x, torch.Tensor):
             if small:
-                return _small_const(x, shape, ctx.out_dtype, ctx.dev[0])
-            return torch.full(shape, x, dtype=ctx.out_dtype, device=ctx.dev[0])
+                return _small_const(x, shape, ctx.out_dtype, ctx.dev)
+            return torch.full(shape, x, dtype=ctx.out_dtype, device=ctx.dev)
         view = [1] * len(shape)
         for i, d in enumerate(dims):
             view[d] = x.shape[i]
@@ -583,11 +582,12 @@ def _write_index(index, ck) -> None:
 
 class _TritonLaunch:
     """A compiled kernel (shared across row counts) and this plan's grid; launches on torch's
-    current stream."""
+    current stream of the plan's device."""
 
-    def __init__(self, low):
+    def __init__(self, low, dev):
         self.grid = low.grid
         self.ck = _compiled(low)
+        self.dev = dev.index if dev is not None and dev.index is not None else 0
         self._run = None
 
     def __call__(self, args):
@@ -596,8 +596,7 @@ class _TritonLaunch:
             self.ck[(g0, g1, g2)](*args)
             self._run = self.ck.run
             return
-        dev = args[0].device.index
-        self._run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(dev), self.ck.function,
+        self._run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.dev), self.ck.function,
                   self.ck.packed_metadata, None, None, None, *args)
 
 
@@ -650,18 +649,26 @@ def _pallas_step(st, eqn_of, ctx):
     else:
         low = _lowered(st["k"], get)
         try:
-            launch = _TritonLaunch(low)
+            launch = _TritonLaunch(low, ctx.dev)
         except Exception as e:  # noqa: BLE001 - a compile failure declines, it never crashes a call
             raise Unsupported(f"Triton could not compile the lowered {st['name']}: {e}") from e
+    dev, empty = ctx.dev, torch.empty
+
+    if not aliases:  # (most kernels: every output fresh)
+        def fn(*ins):
+            res = [empty(shape, dtype=dt, device=dev) for shape, dt in out_meta]
+            launch([_ready(t) for t in ins] + res)
+            return res
+
+        return fn
 
     def fn(*ins):
         ins = [_ready(t) for t in ins]
         res = []
-        dev = ctx.dev[0]
         for j, (shape, dt) in enumerate(out_meta):
             i = aliases.get(j)
             if i is None:
-                res.append(torch.empty(shape, dtype=dt, device=dev))
+                res.append(empty(shape, dtype=dt, device=dev))
             else:
                 copy = j in copy_alias or getattr(ins[i], "_forge_shared", False)
                 res.append(ins[i].clone() if copy else ins[i])
@@ -674,49 +681,51 @@ def _pallas_step(st, eqn_of, ctx):
 
 
 # ------------------------------------------------------------------------------ plans
+#
+# A plan is a Python function generated from its recipe: one line per step, each step's result
+# in a local variable, constants and literals bound as globals of the function. A call then
+# costs the steps' own work and little else (no slot list, no loop over steps), which is most of
+# what a small kernel call's host time is.
 
 
-class Plan:
-    """A kernel pass as torch steps over a list of slots; ``plan(flat_inputs)`` returns the pass's
-    output pytree. Constants and literals sit in the slot template; each step reads its slots
-    and writes its result's."""
+def _generate(steps, template, in_slots, out_tree, name):
+    """``run(flat) -> output pytree``: the steps ``(fn, input slots, output slot(s))`` as
+    straight-line code over the slots; ``flat`` holds the inputs of ``in_slots`` in order."""
+    written = set(in_slots)
+    for _, _, outs in steps:
+        written.update([outs] if type(outs) is int else outs)
+    g = {}
 
-    __slots__ = ("steps", "template", "in_slots", "out", "dev")
+    def ref(i):
+        if i in written:
+            return f"v{i}"
+        g[f"c{i}"] = template[i]
+        return f"c{i}"
 
-    def __init__(self, steps, template, in_slots, out, dev):
-        self.steps, self.template, self.in_slots, self.out, self.dev = steps, template, in_slots, out, dev
+    def tup(names):
+        return ", ".join(names) + ("," if len(names) == 1 else "")
 
-    def __call__(self, flat):
-        env = self.template[:]
-        for i, t in zip(self.in_slots, flat):
-            env[i] = t
-        self.dev[0] = flat[0].device
-        for fn, idx, outs in self.steps:
-            r = fn(*[env[i] for i in idx])
-            if type(outs) is int:
-                env[outs] = r
-            else:
-                for o, v in zip(outs, r):
-                    env[o] = v
-        return self.out(env)
+    def expr(t):
+        if t is None:
+            return "None"
+        if type(t) is int:
+            return ref(t)
+        return "(" + tup([expr(x) for x in t]) + ")"
 
-
-def _assembler(tree):
-    """env -> the output pytree, for a template pytree of slot indices (None stays None)."""
-    if tree is None:
-        return lambda env: None
-    if isinstance(tree, int):
-        return lambda env: env[tree]
-    if tree and all(isinstance(t, int) for t in tree):  # a flat tuple: one C-level gather
-        if len(tree) == 1:
-            i = tree[0]
-            return lambda env: (env[i],)
-        return operator.itemgetter(*tree)
-    parts = [_assembler(t) for t in tree]
-    if len(parts) == 2:
-        a, b = parts
-        return lambda env: (a(env), b(env))
-    return lambda env: tuple(p(env) for p in parts)
+    lines = ["def run(flat):"]
+    if in_slots:
+        lines.append(f"    {tup([f'v{i}' for i in in_slots])} = flat")
+    for n, (fn, idx, outs) in enumerate(steps):
+        g[f"f{n}"] = fn
+        call = f"f{n}({', '.join(ref(i) for i in idx)})"
+        lines.append(f"    v{outs} = {call}" if type(outs) is int else f"    {tup([f'v{o}' for o in outs])} = {call}")
+    lines.append(f"    return {expr(out_tree)}")
+    src = "\n".join(lines) + "\n"
+    exec(compile(src, f"<forge plan {name}>", "exec"), g)  # noqa: S102 - code made here, from the recipe
+    run = g["run"]
+    run.source = src
+    run.bwd = {}  # a forward plan's backward plans, by the inputs that want a gradient (bridge.core)
+    return run
 
 
 class _Var:
@@ -884,26 +893,47 @@ def _recipe(fn, args, key_prefix):
     return rec, eqns
 
 
-def _from_recipe(rec, eqn_of):
-    """The plan a recipe describes; ``eqn_of(n)`` gives its n-th ``pallas_call`` equation where
-    one is needed (a TTIR missing from the disk cache, the CPU tests' JAX launcher)."""
+def _from_recipe(rec, eqn_of, dev, name="plan"):
+    """The plan a recipe describes, for tensors on ``dev``; ``eqn_of(n)`` gives its n-th
+    ``pallas_call`` equation where one is needed (a TTIR missing from the disk cache, the CPU
+    tests' JAX launcher). A step that reads only literals and constants and makes a scalar or a
+    shared small constant (a row-count operand) runs here, once: the plan holds its result."""
     template = list(rec["template"])
     for i, c in rec["consts"].items():
         template[int(i)] = c
-    dev = [None]
+    in_slots = list(rec["in"])
+    made = set(in_slots)
+    for st in rec["steps"]:
+        made.update([st["o"]] if type(st["o"]) is int else st["o"])
+    final = set(_slots(rec["out"]))
+    static = {i for i in range(len(template)) if i not in made}  # literals and constants
+    # (not while a CUDA graph captures: what a step makes then belongs to the graph's pool)
+    fold = dev.type != "cuda" or not torch.cuda.is_current_stream_capturing(dev)
     steps = []
     for st in rec["steps"]:
         ctx = _Ctx()
         ctx.dev = dev
+        idx, out = tuple(st["i"]), st["o"]
         if st["p"] == JI.PALLAS_CALL:
-            fn = _pallas_step(st, eqn_of, ctx)
-        else:
-            ctx.out_dtype = _torch_dtype(st["dt"]) if st["dt"] is not None else None
-            ctx.out_shape = tuple(st["sh"])
-            fn = _PRIMS[st["p"]](st["a"], ctx)
-        out = st["o"]
-        steps.append((fn, tuple(st["i"]), out if type(out) is int else list(out)))
-    return Plan(steps, template, list(rec["in"]), _assembler(_tuples(rec["out"])), dev)
+            steps.append((_pallas_step(st, eqn_of, ctx), idx, list(out)))
+            continue
+        ctx.out_dtype = _torch_dtype(st["dt"]) if st["dt"] is not None else None
+        ctx.out_shape = tuple(st["sh"])
+        fn = _PRIMS[st["p"]](st["a"], ctx)
+        if fold and type(out) is int and out not in final and all(i in static for i in idx):
+            r = fn(*[template[i] for i in idx])
+            if not isinstance(r, torch.Tensor) or getattr(r, "_forge_shared", False):
+                template[out] = r
+                static.add(out)
+                continue
+        steps.append((fn, idx, out if type(out) is int else list(out)))
+    return _generate(steps, template, in_slots, _tuples(rec["out"]), name)
+
+
+def _slots(tree):
+    if isinstance(tree, (list, tuple)):
+        return [i for t in tree for i in _slots(t)]
+    return [] if tree is None else [tree]
 
 
 def _tuples(tree):
@@ -958,7 +988,7 @@ def _code_stamp() -> str:
     return h.hexdigest()[:16]
 
 
-def _build(fn, args, key_prefix):
+def _build(fn, args, dev, key_prefix):
     """The plan of ``fn`` on ``args`` (avals): from its recipe on disk when there is one (no
     trace), else traced, built, and its recipe stored."""
     path = _recipe_path(key_prefix)
@@ -979,11 +1009,11 @@ def _build(fn, args, key_prefix):
             return eqns[n]
 
         try:
-            return _from_recipe(rec, eqn_of)
-        except (KeyError, TypeError, ValueError, IndexError) as e:  # a damaged recipe: trace
+            return _from_recipe(rec, eqn_of, dev, f"{key_prefix[0]}/{key_prefix[1]}")
+        except (KeyError, TypeError, ValueError, IndexError, SyntaxError) as e:  # a damaged recipe: trace
             log.debug("pallas native: recipe %s not used (%s)", path, e)
     rec, eqns = _recipe(fn, args, key_prefix)
-    p = _from_recipe(rec, eqns.__getitem__)
+    p = _from_recipe(rec, eqns.__getitem__, dev, f"{key_prefix[0]}/{key_prefix[1]}")
     data = _recipe_json(rec)
     if data is not None:
         _write_json(path, data)
@@ -1037,9 +1067,9 @@ def _leaves(args):
     return out
 
 
-def plan(kdef, which: str, skey, fn, args: tuple, leaves=None):
-    """The plan of ``fn`` (``kdef``'s pass ``which`` with its static arguments ``skey`` bound)
-    on the positional ``args`` (torch tensors, None, or tuples of them), or None when it cannot
+def plan(kdef, which: str, skey, args: tuple, leaves=None):
+    """The plan of ``kdef``'s pass ``which`` (``"fwd"``, or ``"bwd"`` with ``skey`` = (static
+    key, needs)) with its static arguments bound, on the positional ``args`` (torch tensors, None, or tuples of them), or None when it cannot
     run natively (the reason in :func:`status`). Built on first use per shape, then cached.
     Call it as ``plan(flat)`` with the non-None tensors of ``args`` in order (``leaves``, if the
     caller has them already)."""
@@ -1064,8 +1094,9 @@ def plan(kdef, which: str, skey, fn, args: tuple, leaves=None):
         if dev.type != "cuda" and launcher() == "triton":
             return None
         t0 = time.perf_counter()
+        fn = kdef.py_fn("fwd", skey) if which == "fwd" else kdef.py_fn("bwd", *skey)
         try:
-            p = _build(fn, _aval(args), (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind(), _x64()))
+            p = _build(fn, _aval(args), dev, (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind(), _x64()))
         except Unsupported as e:
             _decline(kdef.name, which, str(e))
             p = False
