@@ -68,9 +68,7 @@ def rmsnorm(x, weight, eps=1e-6, *, casting="llama", offset=0.0):
     checked(sig, _check_rmsnorm, x, weight, eps, casting, offset)
     if x.numel() == 0:
         return rmsnorm_spec.reference(x, weight, eps, casting=casting, offset=offset)
-    n = x.shape[-1]
-    y = core.apply(RMSNORM, x.reshape(-1, n), weight, eps=float(eps), casting=casting, offset=float(offset))
-    return y.view(x.shape)
+    return core.apply(RMSNORM, x, weight, eps=float(eps), casting=casting, offset=float(offset))
 
 
 def _check_glu(spec, gate, up):

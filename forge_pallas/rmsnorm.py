@@ -42,7 +42,7 @@ def _rmsnorm_fwd_kernel(x_ref, w_ref, m_ref, y_ref, rstd_ref, *, n, eps, casting
 # dw without atomics: a persistent grid of G programs, each looping over row blocks
 # pid, pid + G, ... and accumulating a (BM, BN) fp32 tile, summed over its rows once at the end
 # (not once per block: that cross-warp reduction per iteration doubled the kernel's time at
-# width 896); one (G, N) -> (N,) sum in XLA.
+# width 896); then a second kernel sums the (G, N) partials into dw.
 def _rmsnorm_bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, m_ref, dx_ref, dwp_ref, *, n, casting, offset,
                         block_m, block_n):
     m = C.read_rows(m_ref)
@@ -80,6 +80,35 @@ def _rmsnorm_bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, m_ref, dx_ref, dwp_ref, 
     C.store(dwp_ref.at[pid, cs], jnp.sum(dw, axis=0).astype(dwp_ref.dtype), mask=cmask)
 
 
+def _dw_reduce_kernel(part_ref, p_ref, dw_ref, *, n, block_p, block_n):
+    # dw[cols] = the sum of the P partial rows, rounded once to dw's dtype: one launch where the
+    # plain JAX sum and conversion take two on the native path. P (the backward's grid size)
+    # is read at run time, like a row count.
+    p = C.read_rows(p_ref)
+    j = pl.program_id(0)
+    cmask = j * block_n + jnp.arange(block_n) < n
+    cs = C.ds(j * block_n, block_n)
+
+    def body(i, acc):
+        mask = (i * block_p + jnp.arange(block_p) < p)[:, None] & cmask[None, :]
+        return acc + jnp.sum(C.load(part_ref.at[C.ds(i * block_p, block_p), cs], mask=mask, other=0.0), axis=0)
+
+    acc = jax.lax.fori_loop(C.i32(0), C.cdiv_traced(p, block_p), body, jnp.zeros((block_n,), part_ref.dtype))
+    C.store(dw_ref.at[cs], acc.astype(dw_ref.dtype), mask=cmask)
+
+
+DW_BLOCK_P, DW_BLOCK_N = 32, 128  # (forge_triton's reduction takes the same tiles)
+
+
+def _dw_reduce(partial, w_dtype):
+    """(P, N) fp32 partial sums -> (N,) in ``w_dtype``."""
+    p, n = partial.shape
+    block_n = min(DW_BLOCK_N, C.next_power_of_2(n))
+    kernel = functools.partial(_dw_reduce_kernel, n=n, block_p=DW_BLOCK_P, block_n=block_n)
+    return _launch(kernel, name="rmsnorm_dw_reduce", grid=(C.cdiv(n, block_n),), num_warps=4,
+                   out_shape=jax.ShapeDtypeStruct((n,), w_dtype))(partial, C.rows_operand(p))
+
+
 def _bwd_programs(blocks, lo=min, hi=max):
     """The backward's persistent grid: about 4 programs per SM, at most one per row block
     (at least two, _common.row_programs); ``lo``/``hi`` let the kernel compute it traced."""
@@ -104,7 +133,10 @@ _launch = C.triton_call
 
 
 def rmsnorm_fwd(x, w, *, eps, casting, offset):
-    """x (M, N), w (N,) -> ((y (M, N),), (rstd (M,),))."""
+    """x (..., N), w (N,) -> ((y shaped like x,), (rstd (M,),)), M the rows of x. (The reshapes
+    cost nothing natively launched: bridge/native.py passes the kernel the tensor itself.)"""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
     m, n = x.shape
     block_m, block_n, warps = _config(n)
     kernel = functools.partial(_rmsnorm_fwd_kernel, n=n, eps=eps, casting=casting, offset=offset,
@@ -114,14 +146,16 @@ def rmsnorm_fwd(x, w, *, eps, casting, offset):
         out_shape=(jax.ShapeDtypeStruct((m, n), out_dtype(x.dtype, w.dtype, casting)),
                    jax.ShapeDtypeStruct((m,), C.acc_dtype(x.dtype))),
     )(x, w, C.rows_operand(m))
-    return (y,), (rstd,)
+    return (y.reshape(shape),), (rstd,)
 
 
 def rmsnorm_bwd(inputs, res, grads, *, eps, casting, offset):
-    """(x, w), (rstd,), (dy,) -> (dx, dw)."""
+    """(x, w), (rstd,), (dy,) -> (dx, dw); x and dy (..., N), as the forward took x."""
     del eps
     x, w = inputs
     (rstd,), (dy,) = res, grads
+    shape = x.shape
+    x, dy = x.reshape(-1, shape[-1]), dy.reshape(-1, shape[-1])
     m, n = x.shape
     block_m, block_n, warps = _config(n)
     nprog = _bwd_programs(C.cdiv(m, block_m))
@@ -132,4 +166,4 @@ def rmsnorm_bwd(inputs, res, grads, *, eps, casting, offset):
         out_shape=(jax.ShapeDtypeStruct((m, n), x.dtype),
                    jax.ShapeDtypeStruct((nprog, n), C.acc_dtype(x.dtype))),
     )(x, w, rstd, dy, C.rows_operand(m))
-    return dx, jnp.sum(dw_partial, axis=0).astype(w.dtype)
+    return dx.reshape(shape), _dw_reduce(dw_partial, w.dtype)
