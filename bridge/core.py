@@ -14,8 +14,8 @@ Registering a kernel (the whole API; other modules of ``bridge`` do exactly this
     )
 
     def rmsnorm(x, weight, eps=1e-6, *, casting="llama", offset=0.0):
-        ... validate with the spec, reshape ...
-        return core.apply(RMSNORM, x2, weight, eps=float(eps), casting=casting, offset=float(offset))
+        ... validate with the spec ...
+        return core.apply(RMSNORM, x, weight, eps=float(eps), casting=casting, offset=float(offset))
 
 ``fwd`` and ``bwd`` are plain JAX functions (they call the ``pallas_call`` s). Where the native
 path serves them (a CUDA device, bridge/native.py), each pass runs as a plan of Triton-compiled
@@ -189,8 +189,8 @@ def _check_fast_path(t):
         _import = _import_public
 
 
-def _prepare(t: torch.Tensor, pos: int, kname: str):
-    if t.requires_grad:
+def _prepare(t: torch.Tensor, pos: int, kname: str, detach: bool = True):
+    if detach and t.requires_grad:
         t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -203,6 +203,20 @@ def _prepare(t: torch.Tensor, pos: int, kname: str):
                 raise TypeError(f"{kname}: input {pos} is float64 but JAX runs without x64; "
                                 "enable jax_enable_x64 or pass float32")
     return t
+
+
+_WIDE = (torch.int64, torch.float64)
+
+
+def _prepare_all(tensors: tuple, kname: str, detach: bool = True) -> tuple:
+    """:func:`_prepare` of each tensor; ``tensors`` itself when none needs a change (the
+    common case, checked without a call per tensor). ``detach=False`` where autograd records
+    nothing anyway (inside an autograd.Function) and a natively launched plan runs: the DLPack
+    path detaches what it exports (``to_jax``)."""
+    for t in tensors:
+        if (detach and t.requires_grad) or t.dtype in _WIDE or not t.is_contiguous():
+            return tuple([_prepare(t, i, kname, detach) for i, t in enumerate(tensors)])
+    return tensors
 
 
 # Every buffer the bridge hands JAX starts at a multiple of this many bytes. JAX's GPU runtime
@@ -255,13 +269,15 @@ def _inputs_to_jax(kdef, tensors):
 class _Bridged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kdef, skey, *tensors):
-        prepared = tuple(_prepare(t, i, kdef.name) for i, t in enumerate(tensors))
-        touts, tres = _run_fwd(kdef, skey, prepared)
+        prepared = _prepare_all(tensors, kdef.name, detach=False)
+        p = native.plan(kdef, "fwd", skey, prepared)
+        touts, tres = p(prepared) if p is not None else _run_fwd_dlpack(kdef, skey, prepared)
+        ctx.plan = p
         keep = kdef.save
         saved = prepared if keep is None else tuple(t if i in keep else None for i, t in enumerate(prepared))
         ctx.save_for_backward(*saved, *tres)
         ctx.kdef, ctx.skey, ctx.n_in = kdef, skey, len(tensors)
-        ctx.in_dtypes = tuple(t.dtype for t in tensors)
+        ctx.in_dtypes = tuple([t.dtype for t in tensors])
         if kdef.nondiff_outputs:
             ctx.mark_non_differentiable(*(touts[i] for i in kdef.nondiff_outputs))
         return touts if len(touts) > 1 else touts[0]
@@ -271,16 +287,24 @@ class _Bridged(torch.autograd.Function):
         n = ctx.n_in
         saved = ctx.saved_tensors  # raises if a saved input was modified in place
         needs = tuple(ctx.needs_input_grad[2:])
-        return (None, None, *run_bwd(ctx.kdef, ctx.skey, needs, saved[:n], saved[n:], grads, ctx.in_dtypes))
+        return (None, None, *run_bwd(ctx.kdef, ctx.skey, needs, saved[:n], saved[n:], grads, ctx.in_dtypes,
+                                     ctx.plan))
 
 
-def run_bwd(kdef, skey, needs, inputs, residuals, grads, in_dtypes):
+def run_bwd(kdef, skey, needs, inputs, residuals, grads, in_dtypes, fwd_plan=None):
     """One gradient (or None) per input of ``kdef`` as torch tensors, in the inputs' dtypes:
-    natively launched where a plan serves it, through JAX and DLPack otherwise."""
-    grads = tuple(_prepare(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
+    natively launched where a plan serves it, through JAX and DLPack otherwise. ``fwd_plan``:
+    the forward's plan where it ran natively (its backward plans hang on it, one per ``needs``:
+    autograd hands gradients in the outputs' shapes and dtypes, so the forward's signature is
+    the backward's)."""
+    grads = _prepare_all(grads, kdef.name + " grad")
     args = (tuple(inputs), tuple(residuals), grads)
-    leaves = native._leaves(args)
-    p = native.plan(kdef, "bwd", (skey, needs), kdef.py_fn("bwd", skey, needs), args, leaves)
+    leaves = [t for t in inputs if t is not None] + list(residuals) + list(grads)
+    p = None if fwd_plan is None else fwd_plan.bwd.get(needs)
+    if p is None:
+        p = native.plan(kdef, "bwd", (skey, needs), args, leaves)
+        if p is not None and fwd_plan is not None:
+            fwd_plan.bwd[needs] = p
     if p is not None:
         dins = p(leaves)
     else:
@@ -309,10 +333,13 @@ def _refuse_capture(kdef, which):
 def _run_fwd(kdef, skey, tensors):
     """(outputs, residuals) of ``kdef``'s forward as torch tensors: natively launched where a
     plan serves it (bridge/native.py), through JAX and DLPack otherwise."""
-    p = native.plan(kdef, "fwd", skey, kdef.py_fn("fwd", skey), tensors)
+    p = native.plan(kdef, "fwd", skey, tensors)
     if p is not None:  # (the tensors are _prepare'd, hence detached: the plan builds no graph)
-        outs, res = p(list(tensors))
-        return tuple(outs), tuple(res)
+        return p(tensors)  # (outputs tuple, residuals tuple)
+    return _run_fwd_dlpack(kdef, skey, tensors)
+
+
+def _run_fwd_dlpack(kdef, skey, tensors):
     _refuse_capture(kdef, "fwd")
     outs, res = kdef.fwd_fn(skey)(*_inputs_to_jax(kdef, tensors))
     return tuple(to_torch(o) for o in outs), tuple(to_torch(r) for r in res)
@@ -342,6 +369,5 @@ def apply(kdef: KernelDef, *tensors, **static):
     if torch.is_grad_enabled() and any(tensors[i].requires_grad for i in kdef.diff):
         return _Bridged.apply(kdef, skey, *tensors)
     # no autograd graph to build: skip the Function machinery and residual bookkeeping
-    prepared = tuple(_prepare(t, i, kdef.name) for i, t in enumerate(tensors))
-    outs, _ = _run_fwd(kdef, skey, prepared)
+    outs, _ = _run_fwd(kdef, skey, _prepare_all(tensors, kdef.name))
     return outs if len(outs) > 1 else outs[0]
