@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -76,6 +77,16 @@ def _fwd_bwd(fn, args, kwargs, diff):
     return run
 
 
+def _alternating(a, b, iters, rounds=7):
+    """Medians of host us per call of ``a`` and ``b``, timed in alternating rounds: this host's
+    speed drifts within seconds, so the two are timed side by side, many times."""
+    ta, tb = [], []
+    for _ in range(rounds):
+        ta.append(bc.wall_us(a, iters=iters, reps=1))
+        tb.append(bc.wall_us(b, iters=iters, reps=1))
+    return statistics.median(ta), statistics.median(tb)
+
+
 def host_rows(key, dev, iters):
     """Host time per call on tiny inputs (GPU work negligible: the loop is host-bound)."""
     from bridge import core, kernels
@@ -88,8 +99,7 @@ def host_rows(key, dev, iters):
 
     for measure, make in (("host fwd (no grad)", lambda f: _fwd(f, args, kwargs)),
                           ("host fwd+bwd", lambda f: _fwd_bwd(f, args, kwargs, diff))):
-        t = bc.wall_us(make(tri), iters=iters)
-        p = bc.wall_us(make(pal), iters=iters)  # the default: native where it serves
+        t, p = _alternating(make(tri), make(pal), iters)  # pallas: the default, native where it serves
         native.set_launcher("off")
         try:
             d = bc.wall_us(make(pal), iters=iters)
