@@ -908,7 +908,7 @@ def _from_recipe(rec, eqn_of, dev, name="plan"):
     final = set(_slots(rec["out"]))
     static = {i for i in range(len(template)) if i not in made}  # literals and constants
     # (not while a CUDA graph captures: what a step makes then belongs to the graph's pool)
-    fold = dev.type != "cuda" or not torch.cuda.is_current_stream_capturing(dev)
+    fold = dev.type != "cuda" or not torch.cuda.is_current_stream_capturing()
     steps = []
     for st in rec["steps"]:
         ctx = _Ctx()
