@@ -189,10 +189,10 @@ def _check_fast_path(t):
         _import = _import_public
 
 
-def _prepare(t: torch.Tensor, pos: int, kname: str, detach: bool = True):
+def _prepare(t: torch.Tensor, pos: int, kname: str, detach: bool = True, compact: bool = True):
     if detach and t.requires_grad:
         t = t.detach()
-    if not t.is_contiguous():
+    if compact and not t.is_contiguous():
         t = t.contiguous()
     dt = t.dtype
     if dt == torch.int64 or dt == torch.float64:
@@ -209,13 +209,14 @@ _WIDE = (torch.int64, torch.float64)
 
 
 def _prepare_all(tensors: tuple, kname: str, detach: bool = True) -> tuple:
-    """:func:`_prepare` of each tensor; ``tensors`` itself when none needs a change (the
-    common case, checked without a call per tensor). ``detach=False`` where autograd records
-    nothing anyway (inside an autograd.Function) and a natively launched plan runs: the DLPack
-    path detaches what it exports (``to_jax``)."""
+    """The dtype decisions of :func:`_prepare` (and the detach, unless ``detach=False``: inside
+    an autograd.Function autograd records nothing anyway) for a call that tries a native plan
+    first; ``tensors`` itself when none needs a change, checked without a call per tensor.
+    Strides are left as they are: a plan hands each kernel a compact tensor itself
+    (native._ready), and the DLPack path prepares what it exports (``to_jax``)."""
     for t in tensors:
-        if (detach and t.requires_grad) or t.dtype in _WIDE or not t.is_contiguous():
-            return tuple([_prepare(t, i, kname, detach) for i, t in enumerate(tensors)])
+        if (detach and t.requires_grad) or t.dtype in _WIDE:
+            return tuple([_prepare(t, i, kname, detach, compact=False) for i, t in enumerate(tensors)])
     return tensors
 
 
@@ -353,6 +354,11 @@ def install(traced) -> None:
     ``traced(kdef, tensors, static) -> outputs`` (the kernel's torch.ops.forge op)."""
     global _TRACED
     _TRACED = traced
+
+
+def through_ops() -> bool:
+    """Whether :func:`apply` hands its call to the op layer (torch.compile is tracing)."""
+    return _TRACED is not None and _through_ops()
 
 
 def apply(kdef: KernelDef, *tensors, **static):

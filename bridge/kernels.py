@@ -118,6 +118,19 @@ def _physical(t, logical):
     return t.contiguous(), logical
 
 
+def _layout(t, logical):
+    """The layout the kernel reads ``t`` (4-D, laid out as ``logical``) in, decided from its
+    strides without making a view: the other one where ``t.transpose(1, 2)`` is contiguous."""
+    if t.is_contiguous():
+        return logical
+    shape, stride, want = t.shape, t.stride(), 1
+    for d in (3, 1, 2, 0):  # the dimensions of the transposed view, innermost first
+        if shape[d] != 1 and stride[d] != want:
+            return logical
+        want *= shape[d]
+    return _OTHER[logical]
+
+
 def _check_rope(q, k, cos, sin, unsqueeze_dim):
     rope_spec.check(q, k, cos, sin, unsqueeze_dim)
     if cos.dtype != sin.dtype:
@@ -132,10 +145,14 @@ def rope(q, k, cos, sin, unsqueeze_dim=1):
     if q.numel() == 0 or k.numel() == 0:
         return rope_spec.reference(q, k, cos, sin, unsqueeze_dim)
     logical = "bhsd" if unsqueeze_dim == 1 else "bshd"
+    in_dtype = _DTYPE_NAME[q.dtype]
+    if not core.through_ops():  # the kernel reads each of q, k in the layout of its storage (no copy)
+        return core.apply(ROPE, q, k, cos, sin, q_layout=_layout(q, logical), k_layout=_layout(k, logical),
+                          in_dtype=in_dtype, view=logical)
+    # traced by torch.compile: the op takes q and k as compact tensors in their kernel layouts
     qp, q_layout = _physical(q, logical)
     kp, k_layout = _physical(k, logical)
-    qo, ko = core.apply(ROPE, qp, kp, cos, sin, q_layout=q_layout, k_layout=k_layout,
-                        in_dtype=_DTYPE_NAME[q.dtype])
+    qo, ko = core.apply(ROPE, qp, kp, cos, sin, q_layout=q_layout, k_layout=k_layout, in_dtype=in_dtype)
     if q_layout != logical:
         qo = qo.transpose(1, 2)
     if k_layout != logical:

@@ -124,20 +124,32 @@ def _rope(q, k, cos, sin, out_dtype, *, q_layout, k_layout, backward):
     return qo.reshape(q.shape), ko.reshape(k.shape)
 
 
-def rope_fwd(q, k, cos, sin, *, q_layout, k_layout, in_dtype):
+def _swap(x, have, want):
+    """x, laid out as ``have``, as layout ``want``: axes 1 and 2 swapped where the two differ
+    (``have`` or ``want`` None: as it is)."""
+    return x if have is None or want is None or have == want else jnp.swapaxes(x, 1, 2)
+
+
+def rope_fwd(q, k, cos, sin, *, q_layout, k_layout, in_dtype, view=None):
     """q, k in their layouts, cos/sin (B|1, S, D) -> ((q_out, k_out), ()).
 
-    ``in_dtype`` (q's dtype name) is for the backward, which then needs neither q nor k."""
+    ``in_dtype`` (q's dtype name) is for the backward, which then needs neither q nor k.
+    ``view``: None, or the layout q and k come in (and their outputs go out) where the kernel
+    reads them in ``q_layout``/``k_layout``: HF's q is a (B, H, S, D) view of a (B, S, H, D)
+    projection, and natively launched the swap of axes is a free view of that storage
+    (bridge/native.py), where the bridge's own transposes would each be an autograd node."""
     del in_dtype
+    q, k = _swap(q, view, q_layout), _swap(k, view, k_layout)
     out = jnp.promote_types(q.dtype, cos.dtype)  # torch's q * cos promotes the same way
-    return _rope(q, k, cos, sin, out, q_layout=q_layout, k_layout=k_layout, backward=False), ()
+    qo, ko = _rope(q, k, cos, sin, out, q_layout=q_layout, k_layout=k_layout, backward=False)
+    return (_swap(qo, q_layout, view), _swap(ko, k_layout, view)), ()
 
 
-def rope_bwd(inputs, res, grads, *, q_layout, k_layout, in_dtype):
+def rope_bwd(inputs, res, grads, *, q_layout, k_layout, in_dtype, view=None):
     """(_, _, cos, sin), (), (dq_out, dk_out) -> (dq, dk, None, None); q and k are not needed."""
     del res
     _, _, cos, sin = inputs
-    dqo, dko = grads
+    dqo, dko = _swap(grads[0], view, q_layout), _swap(grads[1], view, k_layout)
     dq, dk = _rope(dqo, dko, cos, sin, jnp.dtype(in_dtype), q_layout=q_layout, k_layout=k_layout,
                    backward=True)
-    return dq, dk, None, None
+    return _swap(dq, q_layout, view), _swap(dk, k_layout, view), None, None
