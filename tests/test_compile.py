@@ -240,7 +240,14 @@ def _opcheck_cases(backend):
             return func(*args, **(kwargs or {}))
 
     # the functional APIs as dynamo sees them (is_compiling() forced on), run eagerly: what they
-    # hand each op is recorded, forward and backward
+    # hand each op is recorded, forward and backward. The modules are imported first: one first
+    # imported inside the patches would keep the forced function as its own route for good
+    # (each reads ``op_route()`` once, at import), and every later test in this process would
+    # run through the ops
+    import importlib
+
+    for mod in ("forge_triton._ops", "bridge.core", "forge.ops._nodes"):
+        importlib.import_module(mod)
     for key, make in kernels.items():
         fn = ops.get(key, backend) if key != "mlp_act" else None
         with unittest.mock.patch("torch.compiler.is_compiling", lambda: True), \
