@@ -63,13 +63,20 @@ def test_bad_graphs_arguments():
     assert not hasattr(model, "_forge_state")
 
 
+def bridge_interpret() -> bool:
+    from bridge import runtime
+
+    return runtime.interpret()
+
+
 def test_graphs_take_pallas_only_when_launched_natively():
     ok, why = ops.availability("pallas")
     if not ok:
         pytest.skip(why)
     from bridge import native
 
-    model = build_model("qwen2")
+    # where the Pallas kernels take tensors here: the GPU where JAX has one, else the CPU
+    model = build_model("qwen2", device="cpu" if bridge_interpret() else "cuda")
     native_ok, _ = native.available()
     if native_ok:  # launched on torch's stream: capturable
         forge.patch(model, backend={"rmsnorm": "pallas"}, graphs=True)
@@ -88,7 +95,7 @@ def test_graphs_accept_pallas_wherever_it_launches_natively(monkeypatch):
     from bridge import native
 
     monkeypatch.setattr(native, "available", lambda: (True, ""))
-    model = build_model("qwen2")
+    model = build_model("qwen2", device="cpu" if bridge_interpret() else "cuda")
     forge.patch(model, backend="pallas", graphs=True)
     assert model._forge_graphs is not None and set(model._forge_backends.values()) == {"pallas"}
     forge.unpatch(model)
