@@ -11,8 +11,10 @@ forward + backward (a new autograd graph: the backward's plan is built here), ea
 synchronise. It also reports where the plan-building time went (``bridge.native.timings()``:
 jaxpr trace, lowering to TTIR, triton.compile), how many passes were traced (a warm process
 builds its plans from their recipes on disk: none) and how many kernels Triton compiled, the
-time JAX's import and start-up took (``jax_ms``, before anything else: once a process) and the
-time ``forge.ops.get`` took after it (where the Pallas backend starts Triton, once a process).
+time JAX's import and start-up took (``jax_ms``, before anything else: once a process), the
+time ``forge.ops.get`` took after it (where the Pallas backend starts Triton, once a process)
+and torch's first matrix product (``cublas_ms``: cuBLAS's start, once a process, paid by any
+model's first layer; before this column the LoRA kernels' first call paid it).
 The target is a warm first call of at most 50 ms (docs/pallas-native.md).
 
 --quick runs on a CPU: tiny shapes, each ``pallas_call`` evaluated by JAX's interpreter
@@ -81,6 +83,12 @@ _CHILD = textwrap.dedent("""
     args, kw, _ = inputs(False)
     args_g, _, _ = inputs(True)
     sync()
+    # torch's own first matrix product (cuBLAS's handle and workspace): once a process, paid by
+    # whatever multiplies first (a model's first layer; the LoRA kernels' products here), timed apart
+    t_mm = time.perf_counter()
+    torch.mm(torch.ones(2, 2, device=dev, dtype=dt), torch.ones(2, 2, device=dev, dtype=dt))
+    sync()
+    cublas_ms = 1e3 * (time.perf_counter() - t_mm)
     import os
     prof = None
     if os.environ.get("FORGE_FIRST_CALL_PROFILE"):  # --profile: what the first forward spends its time on
@@ -109,7 +117,7 @@ _CHILD = textwrap.dedent("""
     st = native.status()
     tm = native.timings()
     print("RESULT " + json.dumps({
-        "jax_ms": jax_ms, "get_ms": get_ms, "fwd_ms": 1e3 * (t1 - t0), "fwd_bwd_ms": 1e3 * (t2 - t1), "traces": native._TRACES[0],
+        "jax_ms": jax_ms, "get_ms": get_ms, "cublas_ms": cublas_ms, "fwd_ms": 1e3 * (t1 - t0), "fwd_bwd_ms": 1e3 * (t2 - t1), "traces": native._TRACES[0],
         "trace_ms": 1e3 * tm["trace"], "lower_ms": 1e3 * tm["lower"], "compile_ms": 1e3 * tm["compile"],
         "build_ms": 1e3 * tm["build"], "bwd_build_ms": 1e3 * (tm["build"] - before["build"]),
         "plans": st["plans"], "kernels": st["kernels"], "compiles": st["compiles"],
@@ -156,7 +164,7 @@ def main():
                                                           for k, v in res.items()}}
                 row["declined"] = json.dumps(row["declined"]) if row["declined"] else ""
                 rows.append(row)
-    cols = ["kernel", "cache", "jax_ms", "get_ms", "fwd_ms", "fwd_bwd_ms", "trace_ms", "lower_ms", "compile_ms", "build_ms",
+    cols = ["kernel", "cache", "jax_ms", "get_ms", "cublas_ms", "fwd_ms", "fwd_bwd_ms", "trace_ms", "lower_ms", "compile_ms", "build_ms",
             "plans", "traces", "compiles"]
     print(" ".join(f"{c:>11}" for c in cols))
     for r in rows:
