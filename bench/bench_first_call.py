@@ -44,7 +44,7 @@ _CHILD = textwrap.dedent("""
     t_import = time.perf_counter()
     import forge.ops
     from bridge import native
-    kernel, quick = sys.argv[1], sys.argv[2] == "1"
+    kernel, quick, backend = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu":
         native.set_launcher("jax", lower=True)
@@ -75,7 +75,7 @@ _CHILD = textwrap.dedent("""
     runtime.jax_has_gpu()  # importing JAX and starting its backends: once a process, timed apart
     jax_ms = 1e3 * (time.perf_counter() - t_jax)
     t_get = time.perf_counter()
-    fn = forge.ops.get(kernel, "pallas")  # (where the Pallas backend starts Triton: bridge.native.prepare)
+    fn = forge.ops.get(kernel, backend)  # (where the Pallas backend starts Triton: bridge.native.prepare)
     get_ms = 1e3 * (time.perf_counter() - t_get)
     def sync():
         if dev == "cuda":
@@ -125,13 +125,13 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(kernel: str, quick: bool, cache: str, profile: bool = False) -> dict:
+def run_child(kernel: str, quick: bool, cache: str, profile: bool = False, backend: str = "pallas") -> dict:
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, FORGE_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     if profile:
         env["FORGE_FIRST_CALL_PROFILE"] = "1"
-    r = subprocess.run([sys.executable, "-c", _CHILD, kernel, "1" if quick else "0"], env=env,
+    r = subprocess.run([sys.executable, "-c", _CHILD, kernel, "1" if quick else "0", backend], env=env,
                        capture_output=True, text=True, cwd=root)
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     if r.returncode != 0 or not line:
@@ -145,6 +145,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--quick", action="store_true", help="tiny shapes, JAX-evaluated kernels (CPU smoke test)")
+    ap.add_argument("--backends", default="pallas",
+                    help="pallas, and triton for its first call beside it (the same inputs, its own caches)")
     ap.add_argument("--profile", action="store_true",
                     help="print cProfile's view of each warm first forward (writes no results)")
     bc.add_out_argument(ap)
@@ -156,30 +158,31 @@ def main():
                 print(f"== {kernel}, warm", run_child(kernel, a.quick, cache, profile=True))
         return
     rows = []
-    for kernel in a.kernels.split(","):
+    for backend, kernel in ((b, k) for b in a.backends.split(",") for k in a.kernels.split(",")):
         with tempfile.TemporaryDirectory(prefix="forge-first-call-") as cache:
             for run in ("cold", "warm"):
-                res = run_child(kernel, a.quick, cache)
-                row = {"kernel": kernel, "cache": run, **{k: (round(v, 2) if isinstance(v, float) else v)
+                res = run_child(kernel, a.quick, cache, backend=backend)
+                row = {"backend": backend, "kernel": kernel, "cache": run,
+                       **{k: (round(v, 2) if isinstance(v, float) else v)
                                                           for k, v in res.items()}}
                 row["declined"] = json.dumps(row["declined"]) if row["declined"] else ""
                 rows.append(row)
-    cols = ["kernel", "cache", "jax_ms", "get_ms", "cublas_ms", "fwd_ms", "fwd_bwd_ms", "trace_ms", "lower_ms", "compile_ms", "build_ms",
+    cols = ["backend", "kernel", "cache", "jax_ms", "get_ms", "cublas_ms", "fwd_ms", "fwd_bwd_ms", "trace_ms", "lower_ms", "compile_ms", "build_ms",
             "plans", "traces", "compiles"]
     print(" ".join(f"{c:>11}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>11}" if not isinstance(r[c], float) else f"{r[c]:>11.1f}" for c in cols))
         if r["declined"] or not r["available"]:
             print(f"    (not native: {r['reason'] or r['declined']})")
-    warm = [r for r in rows if r["cache"] == "warm"]
-    paths = bc.write_results(a.out, "first_call", rows, {
+    warm = [r for r in rows if r["cache"] == "warm" and r["backend"] == "pallas"]
+    paths = bc.write_results(a.out, "first_call", rows, {"backends": a.backends,
         "quick": a.quick,
         "note": ("fresh process per row; warm = the second process on the same FORGE_CACHE_DIR; "
                  "target: a warm first call <= 50 ms (fwd_ms; fwd_bwd_ms for the first backward)" + ("; --quick: CPU, JAX-evaluated kernels, not a GPU figure"
                                                      if a.quick else "")),
         "warm_max_fwd_ms": max((r["fwd_ms"] for r in warm), default=None),
         "warm_max_fwd_bwd_ms": max((r["fwd_bwd_ms"] for r in warm), default=None)},
-        case="quick" if a.quick else "")
+        case="-".join(x for x in ("quick" if a.quick else "", "" if a.backends == "pallas" else a.backends.replace(",", "-")) if x))
     print("wrote", *paths)
 
 
