@@ -625,3 +625,73 @@ def test_starting_jax_keeps_torchs_current_device():
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=os.getcwd()),
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_plans_are_straight_line_code_with_their_constants_folded(launcher, tmp_path, monkeypatch):
+    """A plan is generated code, one line per step: RMSNorm's forward on 3-D x is its kernel
+    alone (the reshapes to rows and back are dropped, the row-count operand is made once, at
+    build); a forward plan keeps its backward plans, so a second backward of the same shape
+    builds and looks up no plan."""
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    launcher("jax")
+    dev = "cuda" if HAS_CUDA else "cpu"
+    f = ops.get("rmsnorm", "pallas")
+    x = torch.randn(2, 5, 64, device=dev, requires_grad=True)
+    w = torch.randn(64, device=dev, requires_grad=True)
+    f(x, w, 1e-6).sum().backward()
+    fwd = [p for k, p in native._PLANS.items() if k[:2] == ("rmsnorm", "fwd")]
+    assert len(fwd) == 1 and fwd[0]
+    body = [ln.strip() for ln in fwd[0].source.splitlines()[1:]]
+    assert len(body) == 3 and body[1].startswith("v") and "f0(" in body[1], fwd[0].source  # inputs, kernel, return
+    assert "f1" not in fwd[0].source and "for " not in fwd[0].source
+    assert set(fwd[0].bwd) == {(True, True)}
+    n_plans = native.status()["plans"]
+    looked = []
+    real = native.plan
+    monkeypatch.setattr(native, "plan", lambda kdef, which, *a, **k: looked.append(which) or real(kdef, which, *a, **k))
+    x.grad = w.grad = None
+    f(x, w, 1e-6).sum().backward()
+    assert looked == ["fwd"] and native.status()["plans"] == n_plans
+    from forge.spec import rmsnorm as spec
+
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    spec.reference(xr, wr, 1e-6).sum().backward()
+    assert tolerance.rel_err(x.grad, xr.grad) < 1e-5 and tolerance.rel_err(w.grad, wr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_rope_reads_hf_layouts_without_transposes_around_its_node(launcher, unsqueeze_dim):
+    """HF's q and k are views of projections stored in the other layout: natively the Pallas rope
+    reads that storage as it is (its layout from the strides, the swap of axes inside the pass),
+    so its outputs come straight from the bridge's node (no transpose nodes around it) in the
+    inputs' layout, and match the reference, gradients included."""
+    from bridge import kernels
+
+    from forge.spec import rope as spec
+
+    launcher("jax")
+    dev = "cuda" if HAS_CUDA else "cpu"
+    b, s, hq, hk, d = 2, 5, 4, 2, 16
+    other = (b, s, hq, d) if unsqueeze_dim == 1 else (b, hq, s, d)
+    q = torch.randn(*other, device=dev).transpose(1, 2).requires_grad_()  # stored in the other layout
+    k = torch.randn(b, s, hk, d, device=dev)  # (B, S, H, D) storage: HF's transposed view, or compact
+    k = (k.transpose(1, 2) if unsqueeze_dim == 1 else k).requires_grad_()
+    cos, sin = torch.randn(1, s, d, device=dev), torch.randn(1, s, d, device=dev)
+    qo, ko = ops.get("rope", "pallas")(q, k, cos, sin, unsqueeze_dim)
+    assert type(qo.grad_fn).__name__ == type(ko.grad_fn).__name__ == "_BridgedBackward"
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+    g = (torch.randn_like(qo), torch.randn_like(ko))
+    dq, dk = torch.autograd.grad((qo, ko), (q, k), g)
+    qr, kr = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    rq, rk = spec.reference(qr, kr, cos.double(), sin.double(), unsqueeze_dim)
+    eq, ek = torch.autograd.grad((rq, rk), (qr, kr), tuple(t.double() for t in g))
+    for got, want in ((qo, rq), (ko, rk), (dq, eq), (dk, ek)):
+        assert tolerance.rel_err(got, want) < 1e-5
+    # the layout read from the strides, as the transposed view's contiguity says (size-1 dims too)
+    for shape in ((2, 5, 4, 16), (1, 5, 4, 16), (2, 1, 4, 16), (2, 5, 1, 16), (1, 1, 1, 16)):
+        t = torch.randn(shape)
+        for view in (t, t.transpose(1, 2), t[:, :, :, :8]):
+            for logical in ("bhsd", "bshd"):
+                want = logical if view.is_contiguous() or not view.transpose(1, 2).is_contiguous() \
+                    else kernels._OTHER[logical]
+                assert kernels._layout(view, logical) == want, (shape, view.stride(), logical)
