@@ -33,8 +33,8 @@ import forge  # noqa: E402
 from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, build  # noqa: E402
 
-COLUMNS = ["variant", "step_ms", "speedup", "peak_MiB", "mem_frac", "graph_held_MiB", "jax_peak_MiB", "compile_s",
-           "graph_breaks", "note"]
+COLUMNS = ["variant", "step_ms", "speedup", "vs_first_backend", "peak_MiB", "mem_frac", "graph_held_MiB",
+           "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
 
 
 def _lora(model):
@@ -156,10 +156,18 @@ def _rounds(variants, model, a, ids):
                 print("guard stats (one step):", gs.as_dict())
             if ks is not False:
                 forge.unpatch(model)
+    first = f"forge {a.backends[0]}: "
     for label, row in rows.items():
         row["step_ms"] = statistics.median(times[label])
         spread = f"round medians {min(per_round[label]):.1f}-{max(per_round[label]):.1f} ms"
         row["note"] = f"{row.get('note', '')} {spread}".strip()
+        # another backend's variant against the first backend's same variant, round by round (the
+        # two ran back to back in each round): the ratio this host's drift moves least
+        peer = first + label.split(": ", 1)[1] if label.startswith("forge ") and not label.startswith(first) else None
+        if peer in per_round:
+            ratios = [x / y for x, y in zip(per_round[label], per_round[peer])]
+            row["vs_first_backend"] = statistics.median(ratios)
+            row["note"] += f" per-round ratio to {a.backends[0]} {min(ratios):.3f}-{max(ratios):.3f}"
         if row.get("guard"):
             row["note"] += f" guard {row.pop('guard')}"
         if row.get("graphs"):
@@ -245,16 +253,17 @@ def main(argv=None):
 
     b0 = a.backends[0]
     variants = [(base, False, {})] + ([] if a.no_single else [(f"forge {b0}: {k}", [k], {}) for k in keys])
-    for b in a.backends:
-        variants.append(every({}, b))
-        if a.alt_min_elements is not None:
-            variants.append(every({"min_elements": a.alt_min_elements}, b))
-        if a.mode == "train" and a.recompute_mlp:  # (recompute_mlp fuses the MLP at every size)
-            variants.append(every({"recompute_mlp": True}, b))
-        if a.graphs:  # captured calls fuse whatever the guard says
-            variants.append(every({"graphs": True}, b))
-            if a.recompute_mlp and a.mode == "train":
-                variants.append(every({"graphs": True, "recompute_mlp": True}, b))
+    configs = [{}]
+    if a.alt_min_elements is not None:
+        configs.append({"min_elements": a.alt_min_elements})
+    if a.mode == "train" and a.recompute_mlp:  # (recompute_mlp fuses the MLP at every size)
+        configs.append({"recompute_mlp": True})
+    if a.graphs:  # captured calls fuse whatever the guard says
+        configs.append({"graphs": True})
+        if a.recompute_mlp and a.mode == "train":
+            configs.append({"graphs": True, "recompute_mlp": True})
+    # each configuration's backends back to back, so their per-round ratio sees the least drift
+    variants += [every(kw, b) for kw in configs for b in a.backends]
     rows = _rounds(variants, model, a, ids)
     if a.compile and dev.type == "cuda":
         rows.append(_run("torch.compile", model, a, ids, compile_=True))
