@@ -300,7 +300,7 @@ def run_bwd(kdef, skey, needs, inputs, residuals, grads, in_dtypes, fwd_plan=Non
     the backward's)."""
     grads = _prepare_all(grads, kdef.name + " grad")
     args = (tuple(inputs), tuple(residuals), grads)
-    leaves = [t for t in inputs if t is not None] + list(residuals) + list(grads)
+    leaves = native._leaves(args)
     p = None if fwd_plan is None else fwd_plan.bwd.get(needs)
     if p is None:
         p = native.plan(kdef, "bwd", (skey, needs), args, leaves)
@@ -335,7 +335,7 @@ def _run_fwd(kdef, skey, tensors):
     """(outputs, residuals) of ``kdef``'s forward as torch tensors: natively launched where a
     plan serves it (bridge/native.py), through JAX and DLPack otherwise."""
     p = native.plan(kdef, "fwd", skey, tensors)
-    if p is not None:  # (the tensors are _prepare'd, hence detached: the plan builds no graph)
+    if p is not None:  # (detached, or inside an autograd.Function: the plan's torch steps record nothing)
         return p(tensors)  # (outputs tuple, residuals tuple)
     return _run_fwd_dlpack(kdef, skey, tensors)
 

@@ -110,11 +110,9 @@ _DTYPE_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float
 def _physical(t, logical):
     """(tensor with compact strides, its layout): HF's q/k are transposed views of a (B, S, H, D)
     projection, so a (B, H, S, D) view whose transpose is contiguous goes over without a copy."""
-    if t.is_contiguous():
-        return t, logical
-    tt = t.transpose(1, 2)
-    if tt.is_contiguous():
-        return tt, _OTHER[logical]
+    layout = _layout(t, logical)
+    if layout != logical:
+        return t.transpose(1, 2), layout
     return t.contiguous(), logical
 
 

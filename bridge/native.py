@@ -587,7 +587,7 @@ class _TritonLaunch:
     def __init__(self, low, dev):
         self.grid = low.grid
         self.ck = _compiled(low)
-        self.dev = dev.index if dev is not None and dev.index is not None else 0
+        self.dev = dev.index or 0
         self._run = None
 
     def __call__(self, args):
@@ -1069,8 +1069,8 @@ def _leaves(args):
 
 def plan(kdef, which: str, skey, args: tuple, leaves=None):
     """The plan of ``kdef``'s pass ``which`` (``"fwd"``, or ``"bwd"`` with ``skey`` = (static
-    key, needs)) with its static arguments bound, on the positional ``args`` (torch tensors, None, or tuples of them), or None when it cannot
-    run natively (the reason in :func:`status`). Built on first use per shape, then cached.
+    key, needs)) with its static arguments bound, on the positional ``args`` (torch tensors,
+    None, or tuples of them), or None when it cannot run natively (the reason in :func:`status`). Built on first use per shape, then cached.
     Call it as ``plan(flat)`` with the non-None tensors of ``args`` in order (``leaves``, if the
     caller has them already)."""
     if not _available():  # one cached check per call where the native path is off (CPU CI)
