@@ -2,7 +2,8 @@
 (spec: forge/spec/rope.py).
 
 One program per (batch, block of positions), on one grid axis: it loads that block's cos/sin rows once (full
-width, as two halves, so any cos/sin is exact) and loops over every q head, then every k head.
+width, as two halves, so any cos/sin is exact) and loops over every q head, then every k head,
+a few heads a step (all their loads before their stores).
 Each tensor comes in one of two physical layouts, static per tensor: "bhsd" (B, H, S, D) or
 "bshd" (B, S, H, D). HF builds q as a (B, S, H, D) projection viewed as (B, H, S, D) through a
 transpose, so the bridge hands over the (B, S, H, D) storage with layout "bshd": no copy.
@@ -34,7 +35,7 @@ LAYOUTS = ("bhsd", "bshd")
 # on neither the batch nor the sequence length, only on the positions per program
 # (``_block_s``, a bucket of B S).
 def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, cosb_ref, qo_ref, ko_ref, *, q_layout, k_layout,
-                 q_heads, k_heads, half, block_s, block_h, backward):
+                 q_heads, k_heads, half, block_s, block_h, heads_per_step, backward):
     acc = C.acc_dtype(jnp.promote_types(q_ref.dtype, cos_ref.dtype))
     seq = C.read_rows(seq_ref)
     # one grid axis of B x (position blocks, at least two: see _common.row_programs); the
@@ -63,17 +64,25 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, cosb_ref, qo_ref, ko_r
         s1, s2 = -s2, -s1
 
     def rotate_heads(x_ref, o_ref, layout, heads):
-        def one_head(h, carry):
+        def index(h):
             if layout == "bhsd":
-                idx = (C.ds((b * heads + h) * seq + s0, block_s),)
-            else:
-                idx = (C.ds(b * seq + s0, block_s), h)
-            x1, x2 = ld(x_ref, *idx, lo), ld(x_ref, *idx, hi)
-            C.store(o_ref.at[(*idx, lo)], (x1 * c1 - x2 * s1).astype(o_ref.dtype), mask=mask)
-            C.store(o_ref.at[(*idx, hi)], (x2 * c2 + x1 * s2).astype(o_ref.dtype), mask=mask)
-            return carry
+                return (C.ds((b * heads + h) * seq + s0, block_s),)
+            return (C.ds(b * seq + s0, block_s), h)
 
-        jax.lax.fori_loop(C.i32(0), C.i32(heads), one_head, 0)
+        def group(h0, n):
+            # every load of the group's n heads before any store: the compiler cannot move a
+            # load above a store that may alias it, so this is what keeps n heads' reads in flight
+            idx = [index(h0 + i) for i in range(n)]
+            xs = [(ld(x_ref, *ix, lo), ld(x_ref, *ix, hi)) for ix in idx]
+            for ix, (x1, x2) in zip(idx, xs):
+                C.store(o_ref.at[(*ix, lo)], (x1 * c1 - x2 * s1).astype(o_ref.dtype), mask=mask)
+                C.store(o_ref.at[(*ix, hi)], (x2 * c2 + x1 * s2).astype(o_ref.dtype), mask=mask)
+
+        per = max(1, min(heads_per_step, heads))
+        if heads // per:
+            jax.lax.fori_loop(C.i32(0), C.i32(heads // per), lambda i, c: (group(i * per, per), c)[1], 0)
+        if heads % per:  # the last heads, fewer than a step's
+            group(C.i32(heads - heads % per), heads % per)
 
     rotate_heads(q_ref, qo_ref, q_layout, q_heads)
     rotate_heads(k_ref, ko_ref, k_layout, k_heads)
@@ -83,9 +92,20 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, cosb_ref, qo_ref, ko_r
 _launch = C.triton_call
 
 
+# programs per SM that _block_s aims at, warps per program (None: by tile size), and heads
+# rotated per loop step (their loads all issued before their stores); bench/tune_pallas.py
+# swept them (docs/pallas-native.md): 4 heads a step took rope at the large shape from
+# 1.09-1.10x Triton's time to 1.06-1.07x and at the model's from 1.00x to 0.69x; 2 heads a step
+# ran 1.25x at the large shape; programs per SM and warps moved it by less than 0.02x
+_PROGS_PER_SM = 4
+_WARPS = None
+_HEADS_PER_STEP = 4
+
+
 def _block_s(rows, seq, block_h, sms=None):
     """Positions per program for ``rows`` = B S positions: enough programs to fill the GPU
-    (about 4 per SM), tiles of at most ~2K values per half, no more than S (rounded up):
+    (about ``_PROGS_PER_SM`` = 4 per SM), tiles of at most ~2K values per half, no more than S
+    (rounded up):
 
         min(next_pow2(ceil(B S / (4 SMs))), next_pow2(S), 2048 / block_h)
 
@@ -94,7 +114,7 @@ def _block_s(rows, seq, block_h, sms=None):
     64 positions), 6 at 128 (1 to 32). The buckets move with the SM count: with 132 SMs the top
     one starts at B S = 64 * 528 (docs/pallas-native.md)."""
     sms = C.num_cores() if sms is None else sms
-    want = C.next_power_of_2(max(1, C.cdiv(rows, 4 * sms)))
+    want = C.next_power_of_2(max(1, C.cdiv(rows, _PROGS_PER_SM * sms)))
     return max(1, min(want, C.next_power_of_2(max(seq, 1)), max(1, 2048 // block_h)))
 
 
@@ -114,11 +134,12 @@ def _rope(q, k, cos, sin, out_dtype, *, q_layout, k_layout, backward):
     kernel = functools.partial(_rope_kernel, q_layout=q_layout, k_layout=k_layout,
                                q_heads=q.shape[heads[q_layout]], k_heads=k.shape[heads[k_layout]],
                                half=half,
-                               block_s=block_s, block_h=block_h, backward=backward)
+                               block_s=block_s, block_h=block_h, heads_per_step=_HEADS_PER_STEP,
+                               backward=backward)
     qf, kf = _fold(q, q_layout), _fold(k, k_layout)
     qo, ko = _launch(
         kernel, name="rope_bwd" if backward else "rope_fwd", grid=(bsz * C.row_programs(C.cdiv(seq, block_s)),),
-        num_warps=C.warps_for(2 * block_s * block_h) // 2 or 1,
+        num_warps=_WARPS or C.warps_for(2 * block_s * block_h) // 2 or 1,
         out_shape=(jax.ShapeDtypeStruct(qf.shape, out_dtype), jax.ShapeDtypeStruct(kf.shape, out_dtype)),
     )(qf, kf, cos.reshape(-1, d), sin.reshape(-1, d), C.rows_operand(seq), C.rows_operand(cos.shape[0]))
     return qo.reshape(q.shape), ko.reshape(k.shape)

@@ -189,9 +189,9 @@ def _kernel_passes(sms: int = SMS[0]):
         return (a(b, 14, s, 64), a(b, s, 2, 64), a(cb, s, 64), a(cb, s, 64))
 
     # rope: positions per program are a bucket of B S (rope._block_s, docs/pallas-native.md);
-    # these all fall in the top one (B S >= 64 * 4 * SMs, S >= 64 with D = 64), with cos per
-    # batch entry or shared
-    top = 64 * 4 * sms
+    # these all fall in the top one (B S >= 64 * _PROGS_PER_SM * SMs, S >= 64 with D = 64), with
+    # cos per batch entry or shared
+    top = 64 * rp._PROGS_PER_SM * sms
     rope_rows = ((1, top, 1), (2, top // 2 + 1, 2), (3, top // 3 + 1000, 1))
     assert len({rp._block_s(b * s, s, 32, sms) for b, s, _ in rope_rows}) == 1
 
