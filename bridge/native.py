@@ -799,6 +799,37 @@ def _elide_reshapes(flat_eqns, outvars):
     return kept, overrides
 
 
+_ROUNDED = ("bfloat16", "float16")
+
+
+def _fuse_dot_rounding(flat_eqns, outvars):
+    """A ``dot_general`` of two bf16 (fp16) operands that accumulates in fp32, and whose result
+    nothing reads but one conversion back to that dtype, becomes one product with a bf16 (fp16)
+    result: cuBLAS accumulates in fp32 and rounds once, as the pair does, without writing and
+    reading an fp32 intermediate or running the conversion; and it is the product a model's own
+    linear layers run (an fp32-result GEMM is a kernel torch loads on its first use: 40-100 ms of
+    a LoRA kernel's first call). Returns the equations without those conversions and, by the
+    product's output, the dtype it now makes."""
+    uses = collections.Counter(k for _, ins, _ in flat_eqns for k in ins if type(k) is _Var)
+    uses.update(k for k in outvars if type(k) is _Var)
+    dots = {outs[0]: e for e, _, outs in flat_eqns if e.primitive.name == "dot_general"}
+    rename, skip, made = {}, set(), {}
+    for n, (e, ins, outs) in enumerate(flat_eqns):
+        if e.primitive.name != "convert_element_type" or type(ins[0]) is not _Var or uses[ins[0]] != 1:
+            continue
+        d = dots.get(ins[0])
+        want = _plain(e.params["new_dtype"])
+        if d is None or want not in _ROUNDED or _plain(d.outvars[0].aval.dtype) != "float32":
+            continue
+        if not all(_plain(v.aval.dtype) == want for v in d.invars):
+            continue
+        rename[outs[0]], made[ins[0]] = ins[0], want
+        skip.add(n)
+    kept = [(e, [rename.get(k, k) for k in ins], outs) for n, (e, ins, outs) in enumerate(flat_eqns) if n not in skip]
+    outvars[:] = [rename.get(k, k) for k in outvars]
+    return kept, made
+
+
 def _recipe(fn, args, key_prefix):
     """Trace ``fn`` on ``args`` (avals) into a recipe: the plan as plain data (the form the disk
     cache keeps), and the ``pallas_call`` equations in program order (what lowers them)."""
@@ -839,6 +870,7 @@ def _recipe(fn, args, key_prefix):
     invars = [_Var(v) for v in jaxpr.invars]
     given = set(invars) | set(consts)
 
+    flat_eqns, rounded = _fuse_dot_rounding(flat_eqns, outvars)
     flat_eqns, overrides = _elide_reshapes(flat_eqns, outvars)
     final = {k for k in outvars if type(k) is _Var}
 
@@ -885,7 +917,8 @@ def _recipe(fn, args, key_prefix):
                 raise Unsupported(f"no torch equivalent for the XLA primitive {name!r}")
             st.update(
                 a={k: _plain(e.params.get(k)) for k in _PARAMS.get(name, ())},
-                dt=_plain(aval.dtype) if hasattr(aval, "dtype") else None, sh=list(getattr(aval, "shape", ())),
+                dt=rounded.get(outs[0]) or (_plain(aval.dtype) if hasattr(aval, "dtype") else None),
+                sh=list(getattr(aval, "shape", ())),
                 o=out_idx if e.primitive.multiple_results else out_idx[0])
         steps.append(st)
     out = jax.tree_util.tree_unflatten(out_tree, [slot(k) for k in outvars])
