@@ -81,8 +81,9 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, seq_ref, cosb_ref, qo_ref, ko_r
         per = max(1, min(heads_per_step, heads))
         if heads // per:
             jax.lax.fori_loop(C.i32(0), C.i32(heads // per), lambda i, c: (group(i * per, per), c)[1], 0)
-        if heads % per:  # the last heads, fewer than a step's
-            group(C.i32(heads - heads % per), heads % per)
+        if heads % per:  # the last heads, fewer than a step's; a traced first head, as in the
+            # loop (JAX's CPU interpreter cannot index a head axis by a Python int)
+            group(heads - heads % per + 0 * b, heads % per)
 
     rotate_heads(q_ref, qo_ref, q_layout, q_heads)
     rotate_heads(k_ref, ko_ref, k_layout, k_heads)
@@ -96,7 +97,7 @@ _launch = C.triton_call
 # rotated per loop step (their loads all issued before their stores); bench/tune_pallas.py
 # swept them (docs/pallas-native.md): 4 heads a step took rope at the large shape from
 # 1.09-1.10x Triton's time to 1.06-1.07x and at the model's from 1.00x to 0.69x; 2 heads a step
-# ran 1.25x at the large shape; programs per SM and warps moved it by less than 0.02x
+# ran 1.25x at the large shape; programs per SM moved it by less than 0.02x, fixed warps no better
 _PROGS_PER_SM = 4
 _WARPS = None
 _HEADS_PER_STEP = 4

@@ -728,3 +728,32 @@ def test_bf16_products_round_in_the_product(key, launcher, tmp_path, monkeypatch
     for n, (a, b) in enumerate(zip(got, ref)):
         err, bound = tolerance.rel_err(a, b), 2 * tolerance.atol(torch.bfloat16, 96)
         assert err <= bound, f"{key} output/grad {n}: rel err {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("hq,hk", [(6, 2), (9, 5)])
+@pytest.mark.parametrize("hf_view", [True, False], ids=["bshd", "bhsd"])
+def test_rope_heads_in_steps_with_a_remainder(hq, hk, hf_view):
+    """Rope rotates ``rope._HEADS_PER_STEP`` heads a loop step and the remaining heads after the
+    loop: head counts that are not a multiple of the step (and one below it) in both layouts,
+    forward and backward, match the reference."""
+    from forge.spec import rope as spec
+    import forge_pallas.rope as rp
+
+    assert hq % rp._HEADS_PER_STEP and hk < rp._HEADS_PER_STEP or hk % rp._HEADS_PER_STEP
+    dev = "cuda" if HAS_CUDA else "cpu"
+    b, s, d = 2, 5, 16
+
+    def make(h):
+        t = torch.randn(b, s, h, d, device=dev).transpose(1, 2) if hf_view else torch.randn(b, h, s, d, device=dev)
+        return t.requires_grad_()
+
+    q, k = make(hq), make(hk)
+    cos, sin = torch.randn(b, s, d, device=dev), torch.randn(b, s, d, device=dev)
+    qo, ko = ops.get("rope", "pallas")(q, k, cos, sin)
+    g = (torch.randn_like(qo), torch.randn_like(ko))
+    dq, dk = torch.autograd.grad((qo, ko), (q, k), g)
+    qr, kr = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    rq, rk = spec.reference(qr, kr, cos.double(), sin.double())
+    eq, ek = torch.autograd.grad((rq, rk), (qr, kr), tuple(t.double() for t in g))
+    for got, want in ((qo, rq), (ko, rk), (dq, eq), (dk, ek)):
+        assert tolerance.rel_err(got, want) < 1e-5
