@@ -803,13 +803,16 @@ _ROUNDED = ("bfloat16", "float16")
 
 
 def _fuse_dot_rounding(flat_eqns, outvars):
-    """A ``dot_general`` of two bf16 (fp16) operands that accumulates in fp32, and whose result
-    nothing reads but one conversion back to that dtype, becomes one product with a bf16 (fp16)
-    result: cuBLAS accumulates in fp32 and rounds once, as the pair does, without writing and
-    reading an fp32 intermediate or running the conversion; and it is the product a model's own
-    linear layers run (an fp32-result GEMM is a kernel torch loads on its first use: 40-100 ms of
-    a LoRA kernel's first call). Returns the equations without those conversions and, by the
-    product's output, the dtype it now makes."""
+    """A ``dot_general`` of two bf16 (fp16) operands that accumulates in fp32 over the left
+    operand's last dimension (a projection of its rows), and whose result nothing reads but one
+    conversion back to that dtype, becomes one product with a bf16 (fp16) result: cuBLAS
+    accumulates in fp32 and rounds once, without writing and reading an fp32 intermediate or
+    running the conversion; and it is the product a model's own linear layers run (an
+    fp32-result GEMM is a kernel torch loads on its first use: 45-105 ms of a LoRA kernel's first
+    call). Products that sum over rows (the weight gradients: a long sum into a small result,
+    where cuBLAS splits the sum and torch's default lets it add the parts in bf16) keep their
+    fp32 result, as XLA computes it. Returns the equations without the fused conversions and, by
+    the product's output, the dtype it now makes."""
     uses = collections.Counter(k for _, ins, _ in flat_eqns for k in ins if type(k) is _Var)
     uses.update(k for k in outvars if type(k) is _Var)
     dots = {outs[0]: e for e, _, outs in flat_eqns if e.primitive.name == "dot_general"}
@@ -822,6 +825,9 @@ def _fuse_dot_rounding(flat_eqns, outvars):
         if d is None or want not in _ROUNDED or _plain(d.outvars[0].aval.dtype) != "float32":
             continue
         if not all(_plain(v.aval.dtype) == want for v in d.invars):
+            continue
+        (lc, _), _ = d.params["dimension_numbers"]
+        if tuple(lc) != (len(d.invars[0].aval.shape) - 1,):  # a sum over rows
             continue
         rename[outs[0]], made[ins[0]] = ins[0], want
         skip.add(n)

@@ -699,10 +699,11 @@ def test_rope_reads_hf_layouts_without_transposes_around_its_node(launcher, unsq
 
 @pytest.mark.parametrize("key", ["lora_qkv", "lora_mlp"])
 def test_bf16_products_round_in_the_product(key, launcher, tmp_path, monkeypatch):
-    """A bf16 product that the JAX function accumulates in fp32 and rounds straight back to bf16
-    is one bf16-result product in the plan (cuBLAS accumulates in fp32 and rounds once): no
-    conversion step reads a product's result, and products whose fp32 result is used as such
-    (summed with others before rounding) keep it. The plan's outputs match the DLPack path's."""
+    """A bf16 product over the features of its rows (a projection) that the JAX function
+    accumulates in fp32 and rounds straight back to bf16 is one bf16-result product in the plan
+    (cuBLAS accumulates in fp32 and rounds once): no conversion step reads such a product's
+    result. Products that sum over rows (weight gradients) keep their fp32 result, and so do
+    products whose fp32 result is used as such. The plan's outputs match the DLPack path's."""
     launcher(None if HAS_CUDA else "jax")
     native.clear()
     dev = "cuda" if HAS_CUDA else "cpu"
@@ -713,14 +714,20 @@ def test_bf16_products_round_in_the_product(key, launcher, tmp_path, monkeypatch
     args, diff, kwargs = _cases(torch.bfloat16, dev, 24)[key]
     got = _run(key, args, diff, kwargs, seed=1)
     assert len(recipes) == 2  # forward and backward
-    for rec, _ in recipes:
+    for which, (rec, _) in zip(("fwd", "bwd"), recipes):
         made = {st["o"]: st for st in rec["steps"] if type(st["o"]) is int}
         dots = [st for st in rec["steps"] if st["p"] == "dot_general"]
-        assert any(st["dt"] == "bfloat16" for st in dots), "no product rounds to bf16 in the plan"
+        over_rows = [st for st in dots if st["a"]["dimension_numbers"][0][0] == [0]]  # (2-D operands)
+        assert all(st["dt"] == "float32" for st in over_rows), which
+        if which == "fwd":
+            assert any(st["dt"] == "bfloat16" for st in dots), "no product rounds to bf16 in the plan"
+        else:
+            assert over_rows, "the backward's weight gradients are products over rows"
         for st in rec["steps"]:
             if st["p"] == "convert_element_type" and st["dt"] == "bfloat16":
                 src = made.get(st["i"][0])
-                assert src is None or src["p"] != "dot_general", "a product's fp32 result converted in a step"
+                assert src is None or src["p"] != "dot_general" or src in over_rows, \
+                    "a projection's fp32 result converted in a step"
     if not HAS_CUDA:
         return  # JAX's CPU bf16 products round differently from torch's: the GPU compares them
     native.set_launcher("off")
