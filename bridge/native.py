@@ -603,7 +603,9 @@ class _TritonLaunch:
 class _JaxEval:
     """Evaluates the ``pallas_call`` with JAX (interpret mode on CPU): the CPU tests' launcher.
     ``eqn_of()`` gives the equation, on the first call (a plan built from a recipe on disk has
-    traced nothing)."""
+    traced nothing). It reads and writes each operand as a kernel does, by address: the compact
+    array of the equation's shape at the tensor's place in its storage, whatever the tensor's own
+    shape and strides (a reshape or transpose the plan dropped)."""
 
     def __init__(self, eqn_of):
         self.eqn_of, self.eqn, self.fn = eqn_of, None, None
@@ -619,11 +621,16 @@ class _JaxEval:
         n_in = len(self.eqn.invars)
         # copies: an aliased input may come back as JAX's output buffer, which JAX would then
         # consider its own and reuse after the array dies, under the plan's tensor
-        ins = [t.clone().reshape(v.aval.shape) for t, v in zip(args[:n_in], self.eqn.invars)]  # (reshapes elided)
+        ins = [_at(t, v.aval.shape).clone() for t, v in zip(args[:n_in], self.eqn.invars)]
         outs = self.fn(*(core.to_jax(t) for t in ins))
         jax.block_until_ready(outs)  # JAX reads ``ins`` asynchronously: keep them alive till done
-        for dst, o in zip(args[n_in:], outs):
-            dst.copy_(core.to_torch(o).reshape(dst.shape))  # the plan may allocate it reshaped
+        for dst, o, v in zip(args[n_in:], outs, self.eqn.outvars):
+            _at(dst, v.aval.shape).copy_(core.to_torch(o))
+
+
+def _at(t, shape):
+    """What a kernel reading ``t``'s address as a compact array of ``shape`` sees."""
+    return t.as_strided(tuple(shape), _compact_strides(shape), t.storage_offset())
 
 
 def _ready(t):
@@ -635,11 +642,34 @@ def _ready(t):
     return t
 
 
+def _ready_view(t, perm):
+    """A kernel argument the kernel reads as ``t.permute(perm)`` (a transpose the plan does not
+    run): ``t`` itself where that view is compact and aligned (the kernel takes only the address,
+    the same for both), else a compact copy of the view."""
+    sh, st = t.shape, t.stride()
+    want = 1
+    for d in reversed(perm):
+        if sh[d] != 1 and st[d] != want:
+            return _ready(t.permute(perm))
+        want *= sh[d]
+    return _ready(t.permute(perm)) if t.data_ptr() & 31 else t
+
+
+def _compact_strides(shape):
+    out, n = [], 1
+    for s in reversed(shape):
+        out.append(n)
+        n *= s
+    return out[::-1]
+
+
 def _pallas_step(st, eqn_of, ctx):
     """The torch-side step of a recipe's ``pallas_call`` record ``st``."""
     out_meta = [(tuple(shape), _torch_dtype(dt)) for shape, dt in st["meta"]]
     aliases = {o: i for o, i in st["alias"]}
     copy_alias = set(st["copy"])  # aliased inputs the plan still needs: copied before the kernel writes them
+    vin = {int(i): tuple(p) for i, p in st.get("vin", ())}  # inputs the kernel reads transposed
+    vout = {int(j): tuple(p) for j, p in st.get("vout", ())}  # outputs the plan hands on transposed
     get = functools.partial(eqn_of, st["n"])
     if launcher() == "jax":
         launch = _JaxEval(get)
@@ -654,7 +684,15 @@ def _pallas_step(st, eqn_of, ctx):
             raise Unsupported(f"Triton could not compile the lowered {st['name']}: {e}") from e
     dev, empty = ctx.dev, torch.empty
 
-    if not aliases:  # (most kernels: every output fresh)
+    if vout:  # allocated as their transposes: the kernel's layout in memory
+        def alloc(j, shape, dt):
+            if j not in vout:
+                return functools.partial(empty, shape, dtype=dt, device=dev)
+            p, cs = vout[j], _compact_strides(shape)
+            return functools.partial(torch.empty_strided, tuple(shape[d] for d in p), tuple(cs[d] for d in p),
+                                     dtype=dt, device=dev)
+        out_alloc = [alloc(j, shape, dt) for j, (shape, dt) in enumerate(out_meta)]
+    if not aliases and not vin and not vout:  # (most kernels: every output fresh)
         def fn(*ins):
             res = [empty(shape, dtype=dt, device=dev) for shape, dt in out_meta]
             launch([_ready(t) for t in ins] + res)
@@ -662,13 +700,20 @@ def _pallas_step(st, eqn_of, ctx):
 
         return fn
 
+    if not aliases:  # (rope: its operands kept in the caller's layouts)
+        def fn(*ins):
+            res = [a() for a in out_alloc]
+            launch([_ready_view(t, vin[i]) if i in vin else _ready(t) for i, t in enumerate(ins)] + res)
+            return res
+
+        return fn
     def fn(*ins):
-        ins = [_ready(t) for t in ins]
+        ins = [_ready_view(t, vin[i]) if i in vin else _ready(t) for i, t in enumerate(ins)]
         res = []
         for j, (shape, dt) in enumerate(out_meta):
             i = aliases.get(j)
             if i is None:
-                res.append(empty(shape, dtype=dt, device=dev))
+                res.append(out_alloc[j]() if vout else empty(shape, dtype=dt, device=dev))
             else:
                 copy = j in copy_alias or getattr(ins[i], "_forge_shared", False)
                 res.append(ins[i].clone() if copy else ins[i])
@@ -799,6 +844,64 @@ def _elide_reshapes(flat_eqns, outvars):
     return kept, overrides
 
 
+def _elide_transposes(flat_eqns, outvars, overrides):
+    """Drop the transposes around a kernel: a ``pallas_call`` takes only its operands'
+    addresses, and a transpose is a view at its operand's address. An input the kernel reads
+    transposed (``x.permute(p)``, nothing else reading that view) is passed as it is, with ``p``
+    kept for the check that the view is compact (``_ready_view``); an output that only a
+    transpose reads is allocated as that transpose (``empty_strided``: the kernel's layout in
+    memory, the transposed shape). Not for aliased operands. Returns the remaining equations,
+    the reshape overrides re-keyed to them, and, per remaining ``pallas_call`` index,
+    ({input position: perm}, {output position: perm})."""
+    uses = collections.Counter(k for _, ins, _ in flat_eqns for k in ins if type(k) is _Var)
+    uses.update(k for k in outvars if type(k) is _Var)
+    readers, producer = collections.defaultdict(list), {}
+    for n, (e, ins, outs) in enumerate(flat_eqns):
+        for i, k in enumerate(ins):
+            if type(k) is _Var:
+                readers[k].append((n, i))
+        for j, k in enumerate(outs):
+            producer[k] = (n, j)
+
+    def kernel(n):
+        return flat_eqns[n][0].primitive.name == JI.PALLAS_CALL
+
+    def aliased(n):  # (aliased input positions, aliased output positions)
+        pairs = flat_eqns[n][0].params.get("input_output_aliases", ())
+        return {int(i) for i, _ in pairs}, {int(o) for _, o in pairs}
+
+    skip, vin, vout = set(), collections.defaultdict(dict), collections.defaultdict(dict)
+    to_src, to_out = {}, {}  # (kernel, input position) -> the view's source; view -> kernel output
+    for n, (e, ins, outs) in enumerate(flat_eqns):
+        if e.primitive.name != "transpose" or type(ins[0]) is not _Var:
+            continue
+        perm = [int(x) for x in e.params["permutation"]]
+        src, dst = ins[0], outs[0]
+        rd = readers[dst]
+        if dst not in outvars and rd and all(kernel(r) and i not in aliased(r)[0] for r, i in rd):
+            for r, i in rd:
+                vin[r][i] = perm
+                to_src[(r, i)] = src
+            skip.add(n)
+        elif src in producer and uses[src] == 1 and kernel(producer[src][0]) \
+                and producer[src][1] not in aliased(producer[src][0])[1]:
+            vout[producer[src][0]][producer[src][1]] = perm
+            to_out[dst] = src
+            skip.add(n)
+    kept, moved, views = [], {}, {}
+    for n, (e, ins, outs) in enumerate(flat_eqns):
+        if n in skip:
+            continue
+        if n in overrides:
+            moved[len(kept)] = overrides[n]
+        if n in vin or n in vout:
+            views[len(kept)] = (vin.get(n, {}), vout.get(n, {}))
+        ins = [to_src.get((n, i), to_out.get(k, k) if type(k) is _Var else k) for i, k in enumerate(ins)]
+        kept.append((e, ins, outs))
+    outvars[:] = [to_out.get(k, k) if type(k) is _Var else k for k in outvars]
+    return kept, moved, views
+
+
 _ROUNDED = ("bfloat16", "float16")
 
 
@@ -878,6 +981,7 @@ def _recipe(fn, args, key_prefix):
 
     flat_eqns, rounded = _fuse_dot_rounding(flat_eqns, outvars)
     flat_eqns, overrides = _elide_reshapes(flat_eqns, outvars)
+    flat_eqns, overrides, views = _elide_transposes(flat_eqns, outvars, overrides)
     final = {k for k in outvars if type(k) is _Var}
 
     # slots: every variable and literal gets one; literals are in the template, constants in
@@ -911,12 +1015,14 @@ def _recipe(fn, args, key_prefix):
                 return any(k in later_ins for _, later_ins, _ in flat_eqns[n + 1:])
 
             grow = overrides.get(n, {})
+            vin, vout = views.get(n, ({}, {}))
             aliases = [(int(o), int(i)) for i, o in e.params.get("input_output_aliases", ())]
             st.update(
                 n=len(eqns), name=str(e.params.get("name")), o=out_idx,
                 k=hashlib.sha256(repr((_versions(), _code_stamp(), key_prefix, n)).encode()).hexdigest()[:32],
                 meta=[[list(grow.get(j, v.aval.shape)), _plain(v.aval.dtype)] for j, v in enumerate(e.outvars)],
-                alias=[[o, i] for o, i in aliases], copy=[o for o, i in aliases if later(i)])
+                alias=[[o, i] for o, i in aliases], copy=[o for o, i in aliases if later(i)],
+                vin=[[i, p] for i, p in sorted(vin.items())], vout=[[j, p] for j, p in sorted(vout.items())])
             eqns.append(e)
         else:
             if name not in _PRIMS:

@@ -764,3 +764,35 @@ def test_rope_heads_in_steps_with_a_remainder(hq, hk, hf_view):
     eq, ek = torch.autograd.grad((rq, rk), (qr, kr), tuple(t.double() for t in g))
     for got, want in ((qo, rq), (ko, rk), (dq, eq), (dk, ek)):
         assert tolerance.rel_err(got, want) < 1e-5
+
+
+def test_transposes_around_a_kernel_are_not_run(launcher, tmp_path, monkeypatch):
+    """A kernel takes its operands' addresses, and a transpose is a view at the same address: the
+    plan drops the transposes around rope (HF's q and k are transposed views of their
+    projections), so its forward and backward plans are the kernel alone, the outputs allocated
+    in the inputs' layout. An input whose transposed view is not compact is copied compact in
+    that view's order; one at a misaligned address is copied."""
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    launcher("jax")
+    dev = "cuda" if HAS_CUDA else "cpu"
+    q = torch.randn(2, 5, 4, 16, device=dev).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 5, 2, 16, device=dev).transpose(1, 2).requires_grad_()
+    cos, sin = torch.randn(2, 5, 16, device=dev), torch.randn(2, 5, 16, device=dev)
+    qo, ko = ops.get("rope", "pallas")(q, k, cos, sin)
+    (qo.sum() + ko.sum()).backward()
+    plans = [p for key, p in native._PLANS.items() if key[0] == "rope"]
+    plans += [b for p in plans for b in p.bwd.values()]
+    assert len(plans) >= 2
+    for p in plans:
+        body = [ln.strip() for ln in p.source.splitlines()[1:]]
+        assert len(body) == 3 and "f0(" in body[1] and "f1" not in p.source, p.source  # inputs, kernel, return
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+
+    t = torch.randn(2, 5, 4, 16, device=dev)
+    view = t.transpose(1, 2)  # read as view.permute(0, 2, 1, 3): t itself, compact
+    assert native._ready_view(view, (0, 2, 1, 3)) is view
+    got = native._ready_view(t, (0, 2, 1, 3))  # t's own layout is not the one read: a copy
+    assert got.is_contiguous() and torch.equal(got, t.permute(0, 2, 1, 3))
+    odd = torch.randn(2 * 5 * 4 * 16 + 1, device=dev)[1:].view(2, 5, 4, 16).transpose(1, 2)
+    got = native._ready_view(odd, (0, 2, 1, 3))  # compact view, misaligned address
+    assert got.data_ptr() % 32 == 0 and torch.equal(got, odd.permute(0, 2, 1, 3))
