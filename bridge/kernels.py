@@ -22,7 +22,7 @@ from forge_pallas import glu as _glu
 from forge_pallas import rmsnorm as _rmsnorm
 from forge_pallas import rope as _rope
 
-from . import core, runtime
+from . import core, native, runtime
 
 RMSNORM = core.KernelDef("rmsnorm", _rmsnorm.rmsnorm_fwd, _rmsnorm.rmsnorm_bwd, diff=(0, 1))
 SWIGLU = core.KernelDef("swiglu", _glu.swiglu_fwd, _glu.swiglu_bwd, diff=(0, 1))
@@ -119,13 +119,8 @@ def _physical(t, logical):
 def _layout(t, logical):
     """The layout the kernel reads ``t`` (4-D, laid out as ``logical``) in, decided from its
     strides without making a view: the other one where ``t.transpose(1, 2)`` is contiguous."""
-    if t.is_contiguous():
+    if t.is_contiguous() or not native.compact_as(t, (0, 2, 1, 3)):
         return logical
-    shape, stride, want = t.shape, t.stride(), 1
-    for d in (3, 1, 2, 0):  # the dimensions of the transposed view, innermost first
-        if shape[d] != 1 and stride[d] != want:
-            return logical
-        want *= shape[d]
     return _OTHER[logical]
 
 

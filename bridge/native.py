@@ -642,17 +642,23 @@ def _ready(t):
     return t
 
 
-def _ready_view(t, perm):
-    """A kernel argument the kernel reads as ``t.permute(perm)`` (a transpose the plan does not
-    run): ``t`` itself where that view is compact and aligned (the kernel takes only the address,
-    the same for both), else a compact copy of the view."""
+def compact_as(t, perm) -> bool:
+    """Whether ``t.permute(perm)`` is compact (row-major), read from ``t``'s strides without
+    making the view (an aten call each)."""
     sh, st = t.shape, t.stride()
     want = 1
     for d in reversed(perm):
         if sh[d] != 1 and st[d] != want:
-            return _ready(t.permute(perm))
+            return False
         want *= sh[d]
-    return _ready(t.permute(perm)) if t.data_ptr() & 31 else t
+    return True
+
+
+def _ready_view(t, perm):
+    """A kernel argument the kernel reads as ``t.permute(perm)`` (a transpose the plan does not
+    run): ``t`` itself where that view is compact and aligned (the kernel takes only the address,
+    the same for both), else a compact copy of the view."""
+    return t if compact_as(t, perm) and not t.data_ptr() & 31 else _ready(t.permute(perm))
 
 
 def _compact_strides(shape):
@@ -661,6 +667,16 @@ def _compact_strides(shape):
         out.append(n)
         n *= s
     return out[::-1]
+
+
+def _allocator(shape, dt, dev, perm=None):
+    """A maker of a kernel output of ``shape``: compact, or (``perm``) allocated as its transpose
+    ``.permute(perm)``, the kernel's layout in memory behind the transposed shape."""
+    if perm is None:
+        return functools.partial(torch.empty, shape, dtype=dt, device=dev)
+    cs = _compact_strides(shape)
+    return functools.partial(torch.empty_strided, tuple(shape[d] for d in perm), tuple(cs[d] for d in perm),
+                             dtype=dt, device=dev)
 
 
 def _pallas_step(st, eqn_of, ctx):
@@ -683,15 +699,8 @@ def _pallas_step(st, eqn_of, ctx):
         except Exception as e:  # noqa: BLE001 - a compile failure declines, it never crashes a call
             raise Unsupported(f"Triton could not compile the lowered {st['name']}: {e}") from e
     dev, empty = ctx.dev, torch.empty
+    out_alloc = [_allocator(shape, dt, dev, vout.get(j)) for j, (shape, dt) in enumerate(out_meta)]
 
-    if vout:  # allocated as their transposes: the kernel's layout in memory
-        def alloc(j, shape, dt):
-            if j not in vout:
-                return functools.partial(empty, shape, dtype=dt, device=dev)
-            p, cs = vout[j], _compact_strides(shape)
-            return functools.partial(torch.empty_strided, tuple(shape[d] for d in p), tuple(cs[d] for d in p),
-                                     dtype=dt, device=dev)
-        out_alloc = [alloc(j, shape, dt) for j, (shape, dt) in enumerate(out_meta)]
     if not aliases and not vin and not vout:  # (most kernels: every output fresh)
         def fn(*ins):
             res = [empty(shape, dtype=dt, device=dev) for shape, dt in out_meta]
@@ -707,13 +716,14 @@ def _pallas_step(st, eqn_of, ctx):
             return res
 
         return fn
+
     def fn(*ins):
         ins = [_ready_view(t, vin[i]) if i in vin else _ready(t) for i, t in enumerate(ins)]
         res = []
-        for j, (shape, dt) in enumerate(out_meta):
+        for j in range(len(out_meta)):
             i = aliases.get(j)
             if i is None:
-                res.append(out_alloc[j]() if vout else empty(shape, dtype=dt, device=dev))
+                res.append(out_alloc[j]())
             else:
                 copy = j in copy_alias or getattr(ins[i], "_forge_shared", False)
                 res.append(ins[i].clone() if copy else ins[i])
