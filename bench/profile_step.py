@@ -32,6 +32,25 @@ from bench_patch_bisect import _step_fn, _time  # noqa: E402
 from presets import PRESETS, build  # noqa: E402
 
 
+_GEMM = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "kernel2")
+_ATTN = ("flash", "fmha", "attention", "sdpa")
+
+
+def _kind(name: str) -> str:
+    """A device kernel's kind, from its name: matrix products (cuBLAS/CUTLASS), attention,
+    inductor's generated kernels (``triton_*``), other Triton kernels (forge's), the rest."""
+    low = name.lower()
+    if any(k in low for k in _ATTN):
+        return "attention"
+    if any(k in low for k in _GEMM):
+        return "gemm"
+    if low.startswith("triton_"):
+        return "inductor"
+    if low.startswith("_") or "pallas" in low:
+        return "forge"
+    return "other"
+
+
 def _profile(step, top):
     from torch.profiler import ProfilerActivity, profile
 
@@ -48,8 +67,12 @@ def _profile(step, top):
     host = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in avg if e.device_type == DeviceType.CPU]
     dev.sort(key=lambda r: -r[1])
     host.sort(key=lambda r: -r[1])
+    by_kind = {}
+    for key, ms, _ in dev:
+        by_kind[_kind(key)] = by_kind.get(_kind(key), 0.0) + ms
     return {
         "device_busy_ms": sum(r[1] for r in dev),
+        "device_by_kind_ms": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "host_self_ms": sum(r[1] for r in host),
         "top_device": [list(r) for r in dev[:top]],
         "top_host": [list(r) for r in host[:top]],
@@ -62,7 +85,9 @@ def main(argv=None):
     p.add_argument("--mode", default="train", choices=("train", "infer"))
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--variants", default="eager,all", help="eager, all, or kernel keys")
+    p.add_argument("--variants", default="eager,all",
+                   help="eager, all, or kernel keys; with --compile a variant may end in @<compile_kernels> "
+                        "(all@all: every kernel forge's op in the trace; all@rmsnorm+rope)")
     p.add_argument("--backend", default="triton")
     p.add_argument("--min-elements", type=int, default=None)
     p.add_argument("--steps", type=int, default=8)
@@ -80,8 +105,11 @@ def main(argv=None):
     ids = torch.randint(0, vocab, (b, s), device=dev)
     rows = []
     for v in a.variants.split(","):
-        if v != "eager":
-            kw = {} if v == "all" else {"kernels": [v]}
+        which, _, ck = v.partition("@")
+        if which != "eager":
+            kw = {} if which == "all" else {"kernels": [which]}
+            if ck:
+                kw["compile_kernels"] = ck if ck in ("all", "auto") else ck.split("+")
             forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements, **kw)
         target, compile_s = model, None
         if a.compile:
@@ -95,12 +123,13 @@ def main(argv=None):
         ms = statistics.median(_time(step, 2 if a.quick else a.steps, 1 if a.quick else 3))
         row = {"variant": v + (" + compile" if a.compile else ""), "ms": ms, "compile_s": compile_s,
                **_profile(step, a.top)}
-        if v != "eager":
+        if which != "eager":
             row["guard"] = model._forge_guard_stats.as_dict()
             forge.unpatch(model)
         rows.append(row)
         print(f"== {row['variant']}: {ms:.1f} ms/step wall, device busy {row['device_busy_ms']:.1f} ms, "
               f"host self {row['host_self_ms']:.1f} ms (under the profiler)")
+        print("   device by kind:", row["device_by_kind_ms"])
         print("   top device:", "; ".join(f"{k[:60]} {t:.2f} ms x{c}" for k, t, c in row["top_device"]))
         print("   top host:  ", "; ".join(f"{k[:40]} {t:.2f} ms x{c}" for k, t, c in row["top_host"]))
     cols = ["variant", "ms", "device_busy_ms", "host_self_ms"] + (["compile_s"] if a.compile else [])
