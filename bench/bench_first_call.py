@@ -15,9 +15,10 @@ time JAX's import and start-up took (``jax_ms``, before anything else: once a pr
 time ``forge.ops.get`` took after it (where the Pallas backend starts Triton, once a process)
 and torch's first matrix product (``cublas_ms``: cuBLAS's start, once a process, paid by any
 model's first layer; before this column the LoRA kernels' first call paid it), then the kernel's
-plain-torch reference once (``torch_ref_ms``: torch's first use of the products and kernels that
+plain-torch reference once, forward and backward (``torch_ref_ms``: torch's first use of the products and kernels that
 math needs at these shapes, which a model's own first step pays patched or not; before this
-column the LoRA kernels' first forward paid it, 45-105 ms of torch.mm by cProfile).
+column the LoRA kernels' first forward paid it, 45-105 ms of torch.mm by cProfile; before its
+backward was added, their first backward paid for the products a backward loads, about 70 ms).
 The target is a warm first call of at most 50 ms (docs/pallas-native.md).
 
 --quick runs on a CPU: tiny shapes, each ``pallas_call`` evaluated by JAX's interpreter
@@ -92,14 +93,20 @@ _CHILD = textwrap.dedent("""
     torch.mm(torch.ones(2, 2, device=dev, dtype=dt), torch.ones(2, 2, device=dev, dtype=dt))
     sync()
     cublas_ms = 1e3 * (time.perf_counter() - t_mm)
-    # the same math in plain torch first (forge.spec's reference), as a model's own first step
-    # runs its products and concatenations before or beside forge's: torch's first use of those
+    # the same math in plain torch first (forge.spec's reference), forward and backward, as a
+    # model's own first step runs its products and concatenations before or beside forge's: torch's first use of those
     # kernels at these shapes (cuBLAS picking and loading its GEMMs) lands here, and fwd_ms is
     # the part forge adds
     import importlib
     t_ref = time.perf_counter()
-    with torch.no_grad():
-        importlib.import_module("forge.spec." + kernel).reference(*args, **kw)
+    ref = importlib.import_module("forge.spec." + kernel).reference(*args_g, **kw)
+    refs = [o for o in (ref if isinstance(ref, tuple) else (ref,)) if o.requires_grad]
+    if refs:  # and its backward: the products a first backward loads are torch's too
+        torch.autograd.backward(refs, [torch.ones_like(o) for o in refs])
+    del ref, refs
+    for t in args_g:
+        if isinstance(t, torch.Tensor):
+            t.grad = None
     sync()
     torch_ref_ms = 1e3 * (time.perf_counter() - t_ref)
     import os
