@@ -169,6 +169,61 @@ def test_compile_kernels_choose_what_the_trace_holds(kw, want):
     _close("loss", loss, want_loss, model.config.vocab_size)
 
 
+def _sdpa_masks(graphs):
+    """(has a mask, is_causal) of every SDPA call in dynamo's graphs."""
+    out = []
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target):
+                mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+                out.append((mask is not None, bool(n.kwargs.get("is_causal", False))))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "mistral"])
+def test_compiled_patched_model_attends_causally_without_a_mask(model_type):
+    # Under torch.compile transformers cannot see that a call needs no attention mask (on torch
+    # before 2.14 it never skips it, and for a call without a KV cache it builds one that
+    # separates packed sequences from the position ids), so SDPA gets a dense mask: on the H200
+    # its attention took 2.7x the time of is_causal's. forge's decoder forward hands SDPA
+    # is_causal where the mask is plain causal (no attention mask, no position ids, no cached
+    # tokens, a sliding window that covers the sequence) and HF's mask otherwise.
+    torch._dynamo.reset()
+    model = build_model(model_type, num_hidden_layers=1, attn_implementation="sdpa")
+    ids, labels = _batch(model)
+    forge.patch(model, kernels=["fused_linear_ce"])
+    assert "causal_mask" not in model._forge_patched_counts  # not a kernel
+
+    def traced(**kw):
+        graphs = []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        loss = torch.compile(model, backend=keep, fullgraph=True)(ids, labels=labels, **kw).loss
+        return _sdpa_masks(graphs), loss
+
+    got, loss = traced()
+    assert got == [(False, True)]
+    _close("loss", loss.detach(), model(ids, labels=labels).loss.detach(), model.config.vocab_size)
+    pad = torch.ones_like(ids)
+    pad[0, :3] = 0
+    assert traced(attention_mask=pad)[0] == [(True, False)]  # padding: HF's mask
+    packed = torch.cat([torch.arange(4), torch.arange(4)]).expand(ids.shape[0], -1)
+    got, loss = traced(position_ids=packed)  # given position ids: HF's mask (packed sequences)
+    assert got == [(True, False)]
+    _close("loss", loss.detach(), model(ids, labels=labels, position_ids=packed).loss.detach(),
+           model.config.vocab_size)
+    if model_type == "mistral":  # a window shorter than the sequence: HF's sliding mask
+        model.config.sliding_window = ids.shape[1] // 2
+        assert traced()[0] == [(True, False)]
+    forge.unpatch(model)
+    assert "forward" not in model.model.__dict__
+    torch._dynamo.reset()
+
+
 def _kernel_calls(backend):
     """{kernel key: make(fn) -> output(s)}: a call of each functional API of ``backend`` (and the
     gated MLP's activation pieces, "mlp_act") at small CPU shapes, inputs requiring grad."""

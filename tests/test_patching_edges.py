@@ -132,7 +132,8 @@ def test_deepcopy_has_its_own_statistics(qwen2):
     assert qwen2._forge_guard_stats.as_dict() == {"rmsnorm": {"fused": 0, "fallback": 0},
                                                   "rope": {"fused": 0, "fallback": 0}}
     forge.unpatch(dup)
-    assert not forge_entries(dup) and len([m for m in qwen2.modules() if "forward" in m.__dict__]) == 7
+    # the original keeps its 5 RMSNorm, 2 attention and 1 decoder (the mask under torch.compile) forwards
+    assert not forge_entries(dup) and len([m for m in qwen2.modules() if "forward" in m.__dict__]) == 8
 
 
 def test_deepcopy_runs_on_its_own_weights(qwen2):

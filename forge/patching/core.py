@@ -205,6 +205,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         _apply_lora(root, p)
         _walk(root, arch, p)
         _apply_fused_ce(root, arch, p)
+        _apply_causal_mask(root, p)
         g = _apply_graphs(root, p) if graphs else None
     except BaseException:
         p.restore()
@@ -453,6 +454,46 @@ def _apply_fused_ce(root, arch, p):
         p.skip(key, str(e))
         return
     p.replace_forward(root, key, types.MethodType(fn, root))
+
+
+# ---------------------------------------------------------------------------------------------
+# the causal mask under torch.compile
+
+
+def _apply_causal_mask(root, p):
+    """The decoder model's forward rebuilt with forge's mask builders
+    (``forwards.causal_mask_builder``), used only while torch.compile traces a call without an
+    attention mask or position ids; eager calls run the class's own forward. Not a kernel: it
+    is not counted in ``_forge_patched_counts``, and a decoder whose forward is not
+    transformers' own, or builds its mask another way, is left alone."""
+    prefix = getattr(root, "base_model_prefix", "model")
+    for mod in (getattr(root, prefix, None), root):
+        if not isinstance(mod, nn.Module) or "forward" in mod.__dict__ or not _hf_forward(type(mod)):
+            continue
+        cls = type(mod)
+        try:
+            inner = fw.innermost(cls.forward)
+        except fw.RebuildError:
+            return
+        names = [n for n in fw.MASK_BUILDERS if n in inner.__code__.co_names and n in inner.__globals__]
+        if not names:
+            continue
+        params = list(inspect.signature(inner).parameters)[1:]  # (after self)
+        if not {"attention_mask", "position_ids"} <= set(params):
+            return
+        where = {n: (params.index(n) if n in params else None) for n in ("attention_mask", "position_ids")}
+        try:
+            g = _globals_module(inner.__globals__)
+            for n in names:
+                g[n] = fw.causal_mask_builder(inner.__globals__[n], fw.MASK_BUILDERS[n])
+            plain = fw.rebuild(cls.forward, lambda f: fw.copy_function(f, g, f.__closure__))
+        except fw.RebuildError:
+            sys.modules.pop(g["__name__"], None)
+            return
+        weakref.finalize(plain, sys.modules.pop, g["__name__"], None)
+        fwd = fw.causal_decoder_forward(cls.forward, plain, where)
+        p.replace_forward(mod, "causal_mask", types.MethodType(fwd, mod), count=False)
+        return
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,20 +118,24 @@ class Patcher:
         """forge.patch(min_elements=...) set the threshold of ``key`` (else a default)."""
         return isinstance(self._min_req, int) or (isinstance(self._min_req, dict) and key in self._min_req)
 
-    def replace_forward(self, module, key: str, new_forward) -> None:
+    def replace_forward(self, module, key: str, new_forward, count: bool = True) -> None:
+        """(``count=False``: not a kernel, kept out of ``_forge_patched_counts``.)"""
+        counted = key if count else None
         rec = self._by_id.get(id(module))
         if rec is None:
             had = "forward" in module.__dict__
-            rec = [module, had, module.__dict__.get("forward"), key, "forward"]
+            rec = [module, had, module.__dict__.get("forward"), counted, "forward"]
             self._records.append(rec)
             self._by_id[id(module)] = rec
             # copy.deepcopy / pickle copy the module without forge's forward (copying.py)
             module.__dict__["__reduce_ex__"] = copying.module_hook(module, had, rec[2])
         else:  # a later kernel takes the module over (e.g. lora_mlp after swiglu)
-            self._count(rec[3], -1)
-            rec[3] = key
+            if rec[3] is not None:
+                self._count(rec[3], -1)
+            rec[3] = counted
         module.__dict__["forward"] = new_forward
-        self._count(key, 1)
+        if count:
+            self._count(key, 1)
 
     def skip(self, key: str, reason: str, applies: bool = True) -> None:
         """Record why ``key`` is declined. ``applies=False``: the kernel has nothing to do in
