@@ -33,6 +33,7 @@ SUMMARY = {
     "bench_backends": ("rows", ["kernel", "shape", "backend"], ["fwd_us", "bwd_us"]),
     "bench_guard": ("summary", ["kernel", "backend"], ["crossover_infer", "crossover_train"]),
     "bench_patch_bisect": ("rows", ["variant"], ["step_ms", "speedup", "mem_frac"]),
+    "bench_compile": ("rows", ["variant"], ["step_ms", "vs_compile", "mem_vs_compile"]),
     "bridge_overhead": ("rows", ["kernel", "measure", "shape"], ["triton_us", "pallas_us"]),
     "flce": ("rows", ["case", "impl"], ["ms", "extra_mib"]),
     "flce_grad_w": ("rows", ["impl", "vocab", "hidden", "rows", "chunks"], ["ms", "total_mib"]),

@@ -121,6 +121,16 @@ def test_profile_step_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_compile_quick(tmp_path):
+    _run("bench_compile.py", ["--quick", "--variants", "eager,compile,forge+compile"], tmp_path)
+    rows = {r["variant"]: r for r in _rows(tmp_path, "bench_compile")}
+    assert list(rows) == ["eager", "compile", "forge+compile"]
+    assert float(rows["compile"]["vs_compile"]) == 1.0 and float(rows["forge+compile"]["vs_compile"]) > 0
+    assert rows["forge+compile"]["graph_breaks"] == "0" and float(rows["forge+compile"]["compile_s"]) > 0
+    assert not rows["eager"]["compile_s"]
+
+
+@pytest.mark.slow
 def test_bench_generate_quick(tmp_path):
     _run("bench_generate.py", ["--quick"], tmp_path)
     rows = _rows(tmp_path, "bench_generate")

@@ -1,0 +1,168 @@
+"""forge under torch.compile against torch.compile alone, timed side by side: each variant is
+its own copy of the model (same weights), patched and compiled once, then every variant runs in
+each of --rounds rotations, so this host's drift (tens of percent over minutes) falls on all of
+them alike. The ratio that counts is each variant's median over rounds of its step time divided
+by torch.compile's in the same round (``vs_compile``).
+
+    python bench/bench_compile.py --mode train --batch 8 --seq-len 2048 \
+        [--variants eager,compile,forge+compile,forge-recompute+compile,forge-all+compile]
+    python bench/bench_compile.py --quick        # tiny CPU smoke test (aot_eager)
+
+Variants: ``eager`` (unpatched), ``compile`` (torch.compile of the unpatched model), ``forge``
+(patched, eager), ``forge-graphs`` (patched with graphs=True), and ``forge[-recompute][-all]+compile``:
+forge.patch (``-recompute``: recompute_mlp=True; ``-all``: compile_kernels="all"), then
+torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
+mode="reduce-overhead", CUDA graphs over the compiled step). Peak memory is the variant's own: its model's parameters plus
+the most its step allocated above what every copy holds at rest. Writes
+bench_compile-<model>-<mode>-<B>x<S>-<backend>[-cudagraphs]-<device>.{json,csv} into --out
+(``-cudagraphs`` when a variant uses CUDA graphs: ``-ro`` or ``forge-graphs``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import torch  # noqa: E402
+
+import _common as bc  # noqa: E402
+import forge  # noqa: E402
+from bench_patch_bisect import _step_fn  # noqa: E402
+from presets import PRESETS, build  # noqa: E402
+
+COLUMNS = ["variant", "step_ms", "vs_compile", "speedup", "peak_MiB", "mem_vs_compile", "compile_s",
+           "graph_breaks", "note"]
+DEFAULT = "eager,compile,forge,forge+compile,forge-recompute+compile,forge-all+compile"
+
+
+def _patch_kw(name: str) -> dict | None:
+    """forge.patch keywords of a variant (None: not patched)."""
+    base = name.removesuffix("+compile-ro").removesuffix("+compile")
+    if base in ("eager", "compile", "compile-ro"):
+        return None
+    if not base.startswith("forge"):
+        raise SystemExit(f"unknown variant {name!r}")
+    kw = {}
+    for part in base.split("-")[1:]:
+        if part == "recompute":
+            kw["recompute_mlp"] = True
+        elif part == "all":
+            kw["compile_kernels"] = "all"
+        elif part == "graphs":
+            kw["graphs"] = True
+        else:
+            raise SystemExit(f"unknown variant part {part!r} in {name!r}")
+    return kw
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    p.add_argument("--mode", default="train", choices=["train", "infer"])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--backend", default="triton", choices=["triton", "pallas"])
+    p.add_argument("--variants", default=DEFAULT)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="tiny preset on the CPU (aot_eager)")
+    bc.add_out_argument(p)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.model, a.batch, a.seq_len, a.steps, a.warmup, a.rounds = "tiny", 1, 16, 1, 1, 2
+    cuda = torch.cuda.is_available() and not a.quick
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    names = a.variants.split(",")
+    if "compile" not in names:  # (the -ro variants' ratios are to it too)
+        raise SystemExit("--variants must include 'compile' (the ratios are to it)")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, PRESETS[a.model]["vocab_size"], (a.batch, a.seq_len), generator=g).to(dev)
+
+    runs = {}
+    for name in names:  # build, patch, compile (the first call) each variant's own copy
+        torch.manual_seed(0)
+        model = build(a.model, dtype, dev)
+        model.train(a.mode == "train")
+        if a.mode == "train":
+            model.requires_grad_(True)
+        kw = _patch_kw(name)
+        if kw is not None:
+            forge.patch(model, mode=a.mode, backend=a.backend, **kw)
+        target, row = model, {"variant": name}
+        if "+compile" in name or name.startswith("compile"):
+            torch._dynamo.utils.counters.clear()
+            ro = name.endswith("-ro") and cuda
+            target = torch.compile(model, backend="inductor" if cuda else "aot_eager",
+                                   mode="reduce-overhead" if ro else None)
+            t0 = time.perf_counter()
+            _step_fn(target, a.mode, ids)()
+            bc.sync()
+            row["compile_s"] = time.perf_counter() - t0
+            row["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+        step = _step_fn(target, a.mode, ids)
+        for _ in range(a.warmup):
+            step()
+        bc.sync()
+        runs[name] = (model, step, row, [], [])
+        print(f"ready: {name} {row.get('compile_s', 0):.1f} s compile", flush=True)
+
+    for _ in bc.progress(range(a.rounds), "rounds"):
+        for name, (model, step, row, per_round, peaks) in runs.items():
+            step()  # one untimed step: this copy's buffers back in the allocator's hands
+            bc.sync()
+            if cuda:
+                torch.cuda.empty_cache()
+                rest = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            ts = []
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                step()
+                bc.sync()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            per_round.append(statistics.median(ts))
+            if cuda:
+                peaks.append(torch.cuda.max_memory_allocated() - rest + _param_bytes(model))
+
+    ref = runs["compile"][3]
+    rows = []
+    for name, (model, _step, row, per_round, peaks) in runs.items():
+        row["step_ms"] = statistics.median(per_round)
+        ratios = [c / x for x, c in zip(per_round, ref)]
+        row["vs_compile"] = statistics.median(ratios)  # > 1: faster than torch.compile
+        row["note"] = (f"round medians {min(per_round):.1f}-{max(per_round):.1f} ms; per-round speed vs compile "
+                       f"{min(ratios):.3f}-{max(ratios):.3f}")
+        if peaks:
+            row["peak_MiB"] = max(peaks) / 2**20
+        rows.append(row)
+    first = rows[0]
+    comp = next(r for r in rows if r["variant"] == "compile")
+    for r in rows:
+        r["speedup"] = first["step_ms"] / r["step_ms"]
+        if r.get("peak_MiB") and comp.get("peak_MiB"):
+            r["mem_vs_compile"] = r["peak_MiB"] / comp["peak_MiB"]
+    title = f"{a.model} {a.mode} {a.batch}x{a.seq_len} ({a.backend}): forge and torch.compile, paired rounds"
+    print(title)
+    bc.print_table(rows, COLUMNS)
+    jpath, cpath = bc.write_results(a.out, "bench_compile", rows, {"args": vars(a), "title": title},
+                                    case=f"{a.model}-{a.mode}-{a.batch}x{a.seq_len}-{a.backend}"
+                                    + ("-cudagraphs" if any("-ro" in n or "graphs" in n for n in names) else ""))
+    print(f"wrote {jpath}\n      {cpath}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
