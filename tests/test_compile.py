@@ -194,7 +194,8 @@ def test_compiled_patched_model_attends_causally_without_a_mask(model_type):
     forge.patch(model, kernels=["fused_linear_ce"])
     assert "causal_mask" not in model._forge_patched_counts  # not a kernel
 
-    def traced(**kw):
+    def compiled(**kw):
+        """(SDPA masks in dynamo's graph, loss or logits) of the compiled model on ``ids``."""
         graphs = []
 
         def keep(gm, example_inputs):
@@ -202,8 +203,11 @@ def test_compiled_patched_model_attends_causally_without_a_mask(model_type):
             return gm.forward
 
         torch._dynamo.reset()
-        loss = torch.compile(model, backend=keep, fullgraph=True)(ids, labels=labels, **kw).loss
-        return _sdpa_masks(graphs), loss
+        out = torch.compile(model, backend=keep, fullgraph=True)(ids, **kw)
+        return _sdpa_masks(graphs), out.loss if "labels" in kw else out.logits
+
+    def traced(**kw):
+        return compiled(labels=labels, **kw)
 
     got, loss = traced()
     assert got == [(False, True)]
@@ -216,6 +220,12 @@ def test_compiled_patched_model_attends_causally_without_a_mask(model_type):
     assert got == [(True, False)]
     _close("loss", loss.detach(), model(ids, labels=labels, position_ids=packed).loss.detach(),
            model.config.vocab_size)
+    model.eval()  # inference: the decoder makes an empty KV cache, which holds no earlier tokens
+    with torch.no_grad():
+        got, logits = compiled()
+        assert got == [(False, True)]
+        _close("logits", logits, model(ids).logits, model.config.vocab_size)
+    model.train()
     if model_type == "mistral":  # a window shorter than the sequence: HF's sliding mask
         model.config.sliding_window = ids.shape[1] // 2
         assert traced()[0] == [(True, False)]
