@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import _common as bc  # noqa: E402
 import forge  # noqa: E402
 from bench_patch_bisect import _step_fn  # noqa: E402
-from presets import PRESETS, build  # noqa: E402
+from presets import PRESETS, add_step_arguments, build  # noqa: E402
 
 COLUMNS = ["variant", "step_ms", "vs_compile", "speedup", "peak_MiB", "mem_vs_compile", "compile_s",
            "graph_breaks", "note"]
@@ -67,10 +67,7 @@ def _param_bytes(model) -> int:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
-    p.add_argument("--mode", default="train", choices=["train", "infer"])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=1024)
+    add_step_arguments(p)
     p.add_argument("--backend", default="triton", choices=["triton", "pallas"])
     p.add_argument("--variants", default=DEFAULT)
     p.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import _common as bc  # noqa: E402
 import forge  # noqa: E402
 from forge.patching.graphs import graph_pool_bytes  # noqa: E402
-from presets import PRESETS, build  # noqa: E402
+from presets import PRESETS, add_step_arguments, build  # noqa: E402
 
 COLUMNS = ["variant", "step_ms", "speedup", "vs_first_backend", "peak_MiB", "mem_frac", "graph_held_MiB",
            "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
@@ -196,10 +196,7 @@ def _plot(rows, path, title):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
-    p.add_argument("--mode", default="train", choices=["train", "infer"])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=1024)
+    add_step_arguments(p)
     p.add_argument("--backend", default="triton",
                    help="triton, pallas, or both comma-separated (every 'all' variant per backend, same rotation)")
     p.add_argument("--guard-stats", action="store_true")

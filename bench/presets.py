@@ -26,6 +26,14 @@ PRESETS = {
 }
 
 
+def add_step_arguments(parser, batch: int = 4, seq_len: int = 1024) -> None:
+    """The whole-model step's arguments: --model (a preset), --mode, --batch, --seq-len."""
+    parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    parser.add_argument("--mode", default="train", choices=["train", "infer"])
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+
+
 def build(name: str, dtype, device, attn="sdpa"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

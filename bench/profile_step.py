@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import _common as bc  # noqa: E402
 import forge  # noqa: E402
 from bench_patch_bisect import _step_fn, _time  # noqa: E402
-from presets import PRESETS, build  # noqa: E402
+from presets import PRESETS, add_step_arguments, build  # noqa: E402
 
 
 _GEMM = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "kernel2")
@@ -81,10 +81,7 @@ def _profile(step, top):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
-    p.add_argument("--mode", default="train", choices=("train", "infer"))
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=1024)
+    add_step_arguments(p)
     p.add_argument("--variants", default="eager,all",
                    help="eager, all, or kernel keys; with --compile a variant may end in @<compile_kernels> "
                         "(all@all: every kernel forge's op in the trace; all@rmsnorm+rope)")
