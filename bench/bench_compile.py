@@ -9,8 +9,9 @@ by torch.compile's in the same round (``vs_compile``).
     python bench/bench_compile.py --quick        # tiny CPU smoke test (aot_eager)
 
 Variants: ``eager`` (unpatched), ``compile`` (torch.compile of the unpatched model), ``forge``
-(patched, eager), ``forge-graphs`` (patched with graphs=True), and ``forge[-recompute][-all]+compile``:
-forge.patch (``-recompute``: recompute_mlp=True; ``-all``: compile_kernels="all"), then
+(patched, eager), ``forge-graphs`` (patched with graphs=True), and ``forge[-recompute][-all|-glu]+compile``:
+forge.patch (``-recompute``: recompute_mlp=True; ``-all``: compile_kernels="all"; ``-glu``: only the
+GLU kept forge's in the trace), then
 torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
 mode="reduce-overhead", CUDA graphs over the compiled step). Peak memory is the variant's own: its model's parameters plus
 the most its step allocated above what every copy holds at rest. Writes
@@ -54,6 +55,8 @@ def _patch_kw(name: str) -> dict | None:
             kw["recompute_mlp"] = True
         elif part == "all":
             kw["compile_kernels"] = "all"
+        elif part == "glu":  # the gated MLP stays forge's in the trace, RMSNorm and RoPE go to inductor
+            kw["compile_kernels"] = ["swiglu", "geglu"]
         elif part == "graphs":
             kw["graphs"] = True
         else:
@@ -73,6 +76,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cold", action="store_true",
+                   help="every compile without inductor's caches (force_disable_caches: compile_s like for like; "
+                        "otherwise later variants find what earlier ones cached)")
     p.add_argument("--quick", action="store_true", help="tiny preset on the CPU (aot_eager)")
     bc.add_out_argument(p)
     a = p.parse_args(argv)
@@ -82,6 +88,10 @@ def main(argv=None):
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if a.cold:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.force_disable_caches = True
     names = a.variants.split(",")
     if "compile" not in names:  # (the -ro variants' ratios are to it too)
         raise SystemExit("--variants must include 'compile' (the ratios are to it)")
