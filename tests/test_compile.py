@@ -98,12 +98,13 @@ def test_fullgraph_compile_train_and_infer(model_type, backend):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_dynamic_lengths_compile_once(backend):
-    # torch.compile(dynamic=True): new sequence lengths reuse the first compile (the Triton ops'
-    # fakes and static arguments hold no length; the RMSNorm eps, which dynamo first makes a
-    # symbolic float, is specialised by the op layer). Pallas's fakes take concrete shapes from
-    # JAX, so with Pallas each length compiles again (docs/design.md).
+    # torch.compile(dynamic=True): new sequence lengths reuse the first compile (the ops' fakes
+    # and static arguments hold no length; the RMSNorm eps, which dynamo first makes a symbolic
+    # float, is specialised by the op layer). The Pallas ops' fakes evaluate JAX's shapes at two
+    # settings of the symbolic sizes and write the outputs' sizes symbolically (bridge/_ops.py);
+    # read as ints, every new length compiled again.
     from torch._dynamo.testing import CompileCounterWithBackend
 
     need_backend(backend)
@@ -119,8 +120,49 @@ def test_dynamic_lengths_compile_once(backend):
     _close("loss", got, want, model.config.vocab_size)
     frames = cnt.frame_count
     for n in (12, 20):
-        _train_step(compiled, model, *cut[n])
+        got, _ = _train_step(compiled, model, *cut[n])
+        want, _ = _train_step(model, model, *cut[n])
+        _close(f"loss at length {n}", got, want, model.config.vocab_size)
     assert cnt.frame_count == frames, f"recompiled for a new length ({cnt.frame_count} > {frames} frames)"
+    torch._dynamo.reset()
+
+
+def test_pallas_fakes_keep_sizes_symbolic():
+    # the Pallas ops' fakes under dynamic shapes: rows flattened from (B, S) (RMSNorm's saved
+    # statistics), outputs shaped like inputs (the GLU, RoPE), through forward and backward; new
+    # batch and sequence sizes run the first compile, and the results match eager's
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    need_backend("pallas")
+    rms, glu, rope = (ops.get(k, "pallas") for k in ("rmsnorm", "swiglu", "rope"))
+
+    def f(x, w, q, k, cos, sin):
+        h = rms(x, w, 1e-6)
+        a, b = rope(q, k, cos, sin)
+        return glu(h, h * 2).square().mean() + a.sum() + b.mean()
+
+    def inputs(b, s, seed):
+        g = torch.Generator().manual_seed(seed)
+        r = lambda *shape: torch.randn(*shape, generator=g).requires_grad_()  # noqa: E731
+        return r(b, s, 16), r(16), r(b, 2, s, 8), r(b, 1, s, 8), torch.randn(b, s, 8, generator=g), \
+            torch.randn(b, s, 8, generator=g)
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=cnt, fullgraph=True, dynamic=True)
+    frames = None
+    # (sizes no other size of the same call shares, and none below 2: torch specialises those)
+    for b, s in ((3, 5), (4, 7), (6, 9)):
+        args = inputs(b, s, b * s)
+        got = compiled(*args)
+        grads = torch.autograd.grad(got, args[:4])
+        want = f(*args)
+        wgrads = torch.autograd.grad(want, args[:4])
+        _close(f"value at {b}x{s}", got.detach(), want.detach(), 64)
+        for i, (x, y) in enumerate(zip(grads, wgrads)):
+            _close(f"grad {i} at {b}x{s}", x, y, 64)
+        frames = cnt.frame_count if frames is None else frames
+    assert cnt.frame_count == frames, f"recompiled for new sizes ({cnt.frame_count} > {frames} frames)"
     torch._dynamo.reset()
 
 

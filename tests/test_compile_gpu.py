@@ -64,7 +64,7 @@ def test_inductor_fullgraph_no_recompile(model_type, backend):
         torch.compile(model, fullgraph=True)(ids)
 
 
-@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
 def test_dynamic_one_compile_for_varying_lengths(model_type, backend):
     from torch._dynamo.testing import CompileCounterWithBackend
