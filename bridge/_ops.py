@@ -98,43 +98,55 @@ def _shape_eval(fn, *groups):
 
     JAX takes concrete shapes. Under torch.compile(dynamic=True) the inputs' sizes are
     symbolic, and reading them as ints would make every new length a recompile. So the shapes
-    are evaluated twice: once at the trace's values of the symbols, once with each symbol moved
-    by its own offset. An output size that moves with them is written as the input size, or
-    product of two, that moves the same way in both evaluations. An output size that matches
-    none is read as an int, which specialises that size as before."""
+    are evaluated three times: at the trace's values of the symbols, and at two other settings
+    with each symbol moved by its own offset. An output size that moves with them is written as
+    the input size, or product of two, that moves the same way in every evaluation. If any output
+    size matches none, every input size is read as an int, which specialises the trace to these
+    sizes as before (a guard each, so another size compiles again and is never served wrongly)."""
     jax = runtime.jax_module()
     tensors = [t for g in groups for t in g if t is not None]
+    sized = [s for t in tensors for s in t.shape if isinstance(s, torch.SymInt) and s.node.expr.free_symbols]
     syms = _symbols(tensors)
+    if any(not s.node.expr.free_symbols <= syms.keys() for s in sized):
+        syms, sized = {}, []  # a size without a value here (unbacked): read as ints, as before
 
     def specs(assign):
-        return tuple(tuple(None if t is None else jax.ShapeDtypeStruct(tuple(_size(s, assign) for s in t.shape),
-                                                                        str(t.dtype).removeprefix("torch."))
-                           for t in g) for g in groups)
+        return tuple(tuple(None if t is None else jax.ShapeDtypeStruct(
+            tuple(_size(s, assign) if assign else int(s) for s in t.shape), str(t.dtype).removeprefix("torch."))
+            for t in g) for g in groups)
+
+    def concrete(tree):
+        return jax.tree_util.tree_map(lambda a: (tuple(a.shape), _torch_dtype(a.dtype)), tree)
 
     first = jax.eval_shape(fn, *specs(syms))
     if not syms:
-        return jax.tree_util.tree_map(lambda a: (tuple(a.shape), _torch_dtype(a.dtype)), first)
-    moved = {sym: v + 2 * k + 3 for k, (sym, v) in enumerate(syms.items())}  # distinct offsets: 3, 5, 7...
-    second = jax.eval_shape(fn, *specs(moved))
-    sized = [s for t in tensors for s in t.shape if isinstance(s, torch.SymInt) and s.node.expr.free_symbols]
-    cands = [(s, _size(s, syms), _size(s, moved)) for s in sized]
-    cands += [(a * b, x1 * y1, x2 * y2) for i, (a, x1, x2) in enumerate(cands) for (b, y1, y2) in cands[i:]]
+        return concrete(first)
+    # two other settings of the symbols, each moved by its own offset (a small one, and a large
+    # one that also catches a size that moves only in steps, such as a count of blocks)
+    moves = [{sym: v + 2 * k + 3 for k, (sym, v) in enumerate(syms.items())},
+             {sym: 4 * v + 4 * k + 4099 for k, (sym, v) in enumerate(syms.items())}]
+    try:
+        others = [jax.eval_shape(fn, *specs(m)) for m in moves]
+    except Exception:  # noqa: BLE001 - sizes the function refuses: read as ints below
+        others = None
+    cands = [(s, tuple(_size(s, a) for a in (syms, *moves))) for s in sized]
+    cands += [(a * b, tuple(x * y for x, y in zip(xs, ys))) for i, (a, xs) in enumerate(cands) for b, ys in cands[i:]]
 
-    def size(v1, v2):
-        if v1 == v2:
-            return v1
-        for s, c1, c2 in cands:
-            if (c1, c2) == (v1, v2):
-                return s
-        return None
+    def size(vs):
+        if len(set(vs)) == 1:
+            return vs[0]
+        return next((s for s, cs in cands if cs == vs), None)
 
-    def leaf(a, b):
-        shape = tuple(size(v1, v2) for v1, v2 in zip(a.shape, b.shape))
-        if None in shape:  # not found among the inputs' sizes: the concrete size
-            shape = tuple(a.shape)
-        return shape, _torch_dtype(a.dtype)
-
-    return jax.tree_util.tree_map(leaf, first, second)
+    leaves, tree = jax.tree_util.tree_flatten(first)
+    if others is not None:
+        other_leaves = [jax.tree_util.tree_leaves(o) for o in others]
+        shapes = [tuple(size(vs) for vs in zip(a.shape, *(o[i].shape for o in other_leaves)))
+                  for i, a in enumerate(leaves)]
+        if all(None not in sh for sh in shapes):
+            return jax.tree_util.tree_unflatten(tree, [(sh, _torch_dtype(a.dtype)) for sh, a in zip(shapes, leaves)])
+    for s in sized:  # an output size none of the inputs' sizes explains: these sizes only, guarded
+        int(s)
+    return concrete(first)
 
 
 def _empty(shape_dtype, device):

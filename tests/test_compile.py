@@ -127,6 +127,44 @@ def test_dynamic_lengths_compile_once(backend):
     torch._dynamo.reset()
 
 
+def test_pallas_fake_sizes_symbolic_only_where_an_input_explains_them():
+    # bridge/_ops._shape_eval on a symbolic row count S: an output size equal to S, or to a
+    # product of input sizes, stays symbolic; one that is a count of blocks of S (it moves in
+    # steps) or any other function of S makes the trace read S as an int (a guard: never a wrong
+    # symbolic size)
+    need_backend("pallas")
+    import jax.numpy as jnp
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from bridge import _ops
+
+    def fake_rows(rows):
+        """A fake (B, S, 4) tensor with symbolic B and S, and its shape environment."""
+        env = ShapeEnv()
+
+        def size(v, name):
+            src = ConstantSource(name)
+            return env.create_symintnode(env.create_symbol(v, src, dynamic_dim=DimDynamic.DYNAMIC), hint=v, source=src)
+
+        with FakeTensorMode(shape_env=env):
+            x = torch.empty(size(rows[0], "b"), size(rows[1], "s"), 4)
+        return env, x
+
+    env, x = fake_rows((3, 10))
+    (same, flat), = _ops._shape_eval(lambda ts: ((jnp.zeros(ts[0].shape), jnp.zeros((ts[0].shape[0] * ts[0].shape[1],))),),
+                                     (x,))
+    assert same[0] == tuple(x.shape) and all(isinstance(d, torch.SymInt) for d in same[0][:2])
+    assert isinstance(flat[0][0], torch.SymInt) and str(flat[0][0]) == str(x.shape[0] * x.shape[1])
+    assert not env.guards
+    for blocks in (lambda s: -(-s // 4), lambda s: -(-s // 128), lambda s: s + 1):
+        env, x = fake_rows((3, 10))
+        (out,) = _ops._shape_eval(lambda ts: (jnp.zeros((blocks(ts[0].shape[1]),)),), (x,))
+        assert out[0] == (blocks(10),) and type(out[0][0]) is int
+        assert env.guards, "the symbolic sizes were read without a guard"
+
+
 def test_pallas_fakes_keep_sizes_symbolic():
     # the Pallas ops' fakes under dynamic shapes: rows flattened from (B, S) (RMSNorm's saved
     # statistics), outputs shaped like inputs (the GLU, RoPE), through forward and backward; new
