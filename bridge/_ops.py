@@ -86,10 +86,8 @@ def _symbols(tensors) -> dict:
 
 
 def _size(s, assign) -> int:
-    if not isinstance(s, torch.SymInt):
-        return int(s)
-    expr = s.node.expr
-    return int(expr.subs(assign)) if getattr(expr, "free_symbols", None) else int(expr)
+    """Size ``s`` with its symbols set as in ``assign``."""
+    return int(s.node.expr.subs(assign)) if isinstance(s, torch.SymInt) else int(s)
 
 
 def _shape_eval(fn, *groups):

@@ -353,13 +353,29 @@ def _globals_module(g: dict) -> dict:
     ``sys.modules`` under a name of its own: torch.compile finds a function's globals through the
     module named by ``__name__`` (it guards on them there), so a plain dict copy that still says
     HF's module name would be read back as HF's module. The entry goes when the last function
-    using these globals does (weakref.finalize on the rebuilt forward, see :func:`_apply_rope`)."""
+    using these globals does (weakref.finalize on the rebuilt forward, see :func:`_rebuilt_with`)."""
     name = f"forge._patched_globals.{g.get('__name__', 'module')}.{next(_GLOBALS_SEQ)}"
     mod = types.ModuleType(name)
     mod.__dict__.update(g)
     mod.__dict__["__name__"] = name
     sys.modules[name] = mod
     return mod.__dict__
+
+
+def _rebuilt_with(fn, inner, names: dict):
+    """``fn`` (a class's forward, ``inner`` its innermost function) rebuilt over a copy of
+    ``inner``'s module globals in which each of ``names`` is replaced: the module itself, and
+    every other model using it, keep theirs. The copy's ``sys.modules`` entry goes with the
+    rebuilt function (or at once, if the rebuild fails: fw.RebuildError)."""
+    g = _globals_module(inner.__globals__)
+    g.update(names)
+    try:
+        built = fw.rebuild(fn, lambda f: fw.copy_function(f, g, f.__closure__))
+    except fw.RebuildError:
+        sys.modules.pop(g["__name__"], None)
+        raise
+    weakref.finalize(built, sys.modules.pop, g["__name__"], None)
+    return built
 
 
 def _apply_rope(p, arch, attns):
@@ -381,12 +397,9 @@ def _apply_rope(p, arch, attns):
                 g = inner.__globals__
                 if name not in inner.__code__.co_names or name not in g:
                     raise fw.RebuildError(f"{cls.__name__}.forward does not call a module-level {name}")
-                # a copy of the modeling module's globals with forge's RoPE under HF's name: the
-                # module itself, and every other model using it, keep HF's function
-                g = _globals_module(g)
-                g[name] = fw.rope_function(kernel, inner.__globals__[name], thr, ks, defer=p.defers("rope"))
-                built[cls] = fw.rebuild(cls.forward, lambda f: fw.copy_function(f, g, f.__closure__))
-                weakref.finalize(built[cls], sys.modules.pop, g["__name__"], None)
+                # forge's RoPE under HF's name, in a copy of the modeling module's globals
+                rope = fw.rope_function(kernel, g[name], thr, ks, defer=p.defers("rope"))
+                built[cls] = _rebuilt_with(cls.forward, inner, {name: rope})
             except fw.RebuildError as e:
                 why.append(str(e))
         if built[cls] is not None:
@@ -470,29 +483,21 @@ def _apply_causal_mask(root, p):
     for mod in (getattr(root, prefix, None), root):
         if not isinstance(mod, nn.Module) or "forward" in mod.__dict__ or not _hf_forward(type(mod)):
             continue
-        cls = type(mod)
+        fwd = type(mod).forward
         try:
-            inner = fw.innermost(cls.forward)
+            inner = fw.innermost(fwd)
+            g = inner.__globals__
+            names = {n: fw.causal_mask_builder(g[n], sliding) for n, sliding in fw.MASK_BUILDERS.items()
+                     if n in inner.__code__.co_names and n in g}
+            params = list(inspect.signature(inner).parameters)[1:]  # (after self)
+            if not names or not {"attention_mask", "position_ids"} <= set(params):
+                continue
+            plain = _rebuilt_with(fwd, inner, names)
         except fw.RebuildError:
             return
-        names = [n for n in fw.MASK_BUILDERS if n in inner.__code__.co_names and n in inner.__globals__]
-        if not names:
-            continue
-        params = list(inspect.signature(inner).parameters)[1:]  # (after self)
-        if not {"attention_mask", "position_ids"} <= set(params):
-            return
-        where = {n: (params.index(n) if n in params else None) for n in ("attention_mask", "position_ids")}
-        try:
-            g = _globals_module(inner.__globals__)
-            for n in names:
-                g[n] = fw.causal_mask_builder(inner.__globals__[n], fw.MASK_BUILDERS[n])
-            plain = fw.rebuild(cls.forward, lambda f: fw.copy_function(f, g, f.__closure__))
-        except fw.RebuildError:
-            sys.modules.pop(g["__name__"], None)
-            return
-        weakref.finalize(plain, sys.modules.pop, g["__name__"], None)
-        fwd = fw.causal_decoder_forward(cls.forward, plain, where)
-        p.replace_forward(mod, "causal_mask", types.MethodType(fwd, mod), count=False)
+        where = {n: params.index(n) for n in ("attention_mask", "position_ids")}
+        p.replace_forward(mod, "causal_mask", types.MethodType(fw.causal_decoder_forward(fwd, plain, where), mod),
+                          count=False)
         return
 
 

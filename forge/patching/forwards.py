@@ -216,7 +216,7 @@ def causal_decoder_forward(orig, plain, where):
     def forward(self, *args, **kwargs):
         if _compiling():
             for name, i in names:
-                v = kwargs.get(name) if i is None or i >= len(args) else args[i]
+                v = args[i] if i < len(args) else kwargs.get(name)
                 if v is not None:
                     break
             else:
