@@ -9,9 +9,11 @@ by torch.compile's in the same round (``vs_compile``).
     python bench/bench_compile.py --quick        # tiny CPU smoke test (aot_eager)
 
 Variants: ``eager`` (unpatched), ``compile`` (torch.compile of the unpatched model), ``forge``
-(patched, eager), ``forge-graphs`` (patched with graphs=True), and ``forge[-recompute][-all|-glu]+compile``:
-forge.patch (``-recompute``: recompute_mlp=True; ``-all``: compile_kernels="all"; ``-glu``: only the
-GLU kept forge's in the trace), then
+(patched, eager), ``forge-graphs`` (patched with graphs=True), and
+``forge[-recompute][-min0][-all|-glu|-norm|-normglu]+compile``: forge.patch (``-recompute``:
+recompute_mlp=True; ``-min0``: min_elements=0, no call below the guard's threshold runs unfused;
+``-all``: compile_kernels="all"; ``-glu`` / ``-norm`` / ``-normglu``: only the GLU / RMSNorm / both kept
+forge's in the trace), then
 torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
 mode="reduce-overhead", CUDA graphs over the compiled step). Peak memory is the variant's own: its model's parameters plus
 the most its step allocated above what every copy holds at rest. Writes
@@ -42,6 +44,10 @@ COLUMNS = ["variant", "step_ms", "vs_compile", "speedup", "peak_MiB", "mem_vs_co
 DEFAULT = "eager,compile,forge,forge+compile,forge-recompute+compile,forge-all+compile"
 
 
+# variant parts naming which of the deferrable kernels stay forge's under torch.compile
+_KEEP = {"glu": ("swiglu", "geglu"), "norm": ("rmsnorm",), "normglu": ("rmsnorm", "swiglu", "geglu")}
+
+
 def _patch_kw(name: str) -> dict | None:
     """forge.patch keywords of a variant (None: not patched)."""
     base = name.removesuffix("+compile-ro").removesuffix("+compile")
@@ -55,8 +61,10 @@ def _patch_kw(name: str) -> dict | None:
             kw["recompute_mlp"] = True
         elif part == "all":
             kw["compile_kernels"] = "all"
-        elif part == "glu":  # the gated MLP stays forge's in the trace, RMSNorm and RoPE go to inductor
-            kw["compile_kernels"] = ["swiglu", "geglu"]
+        elif part == "min0":  # every patched call fused, whatever its size (min_elements=0)
+            kw["min_elements"] = 0
+        elif part in _KEEP:  # these kernels stay forge's in the trace, the others go to inductor
+            kw["compile_kernels"] = list(_KEEP[part])
         elif part == "graphs":
             kw["graphs"] = True
         else:
@@ -119,6 +127,9 @@ def main(argv=None):
             bc.sync()
             row["compile_s"] = time.perf_counter() - t0
             row["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+            # dynamo's cache is shared: a variant whose trace equals an earlier one's (the same
+            # code under the same guards) runs that compiled graph and compiles nothing
+            row["reused"] = not torch._dynamo.utils.counters["stats"]["unique_graphs"]
         step = _step_fn(target, a.mode, ids)
         for _ in range(a.warmup):
             step()
@@ -150,7 +161,8 @@ def main(argv=None):
         row["step_ms"] = statistics.median(per_round)
         ratios = [c / x for x, c in zip(per_round, ref)]
         row["vs_compile"] = statistics.median(ratios)  # > 1: faster than torch.compile
-        row["note"] = (f"round medians {min(per_round):.1f}-{max(per_round):.1f} ms; per-round speed vs compile "
+        row["note"] = ("ran an earlier variant's compiled graph (identical trace); " if row.pop("reused", False)
+                       else "") + (f"round medians {min(per_round):.1f}-{max(per_round):.1f} ms; per-round speed vs compile "
                        f"{min(ratios):.3f}-{max(ratios):.3f}")
         if peaks:
             row["peak_MiB"] = max(peaks) / 2**20

@@ -79,6 +79,52 @@ def _profile(step, top):
     }
 
 
+def _frame(frames) -> str:
+    """Where a block was allocated: the innermost Python frames outside torch's own packages
+    (inductor's generated code and forge's modules count as outside), up to three of them."""
+    keep = [f for f in frames if f.get("filename", "").endswith(".py")
+            and ("/torch/" not in f["filename"] or "torchinductor" in f["filename"])]
+    return " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in keep[:3]) or "?"
+
+
+def _memory(step, top):
+    """One step under torch's allocator history: the step's peak above what was allocated
+    before it, and the blocks alive at that peak, by size and by allocating frame."""
+    bc.sync()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+    try:
+        step()
+        bc.sync()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    alive, total, peak, at_peak = {}, 0, 0, {}
+    for ev in snap["device_traces"][torch.cuda.current_device()]:
+        if ev["action"] == "alloc":
+            alive[ev["addr"]] = (ev["size"], _frame(ev.get("frames", [])))
+            total += ev["size"]
+            if total > peak:
+                peak, at_peak = total, dict(alive)
+        elif ev["action"] == "free_completed" and ev["addr"] in alive:
+            total -= alive.pop(ev["addr"])[0]
+    by_size, by_frame = {}, {}
+    for size, where in at_peak.values():
+        n, b = by_size.get(size, (0, 0))
+        by_size[size] = (n + 1, b + size)
+        n, b = by_frame.get(where, (0, 0))
+        by_frame[where] = (n + 1, b + size)
+    mib = 2**20
+    return {
+        "mem_base_MiB": round(base / mib, 1),
+        "mem_step_peak_MiB": round(peak / mib, 1),
+        "mem_at_peak_by_size": [[round(s / mib, 2), n, round(b / mib, 1)]
+                                for s, (n, b) in sorted(by_size.items(), key=lambda kv: -kv[1][1])[:top]],
+        "mem_at_peak_by_frame": [[w, n, round(b / mib, 1)]
+                                 for w, (n, b) in sorted(by_frame.items(), key=lambda kv: -kv[1][1])[:top]],
+    }
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_step_arguments(p)
@@ -90,6 +136,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--compile", action="store_true", help="torch.compile each variant's model (patched first)")
+    p.add_argument("--memory", action="store_true",
+                   help="also one step under the allocator's history (CUDA): the step's peak and what is alive at it")
     p.add_argument("--quick", action="store_true", help="tiny preset on the CPU")
     bc.add_out_argument(p)
     a = p.parse_args(argv)
@@ -120,6 +168,8 @@ def main(argv=None):
         ms = statistics.median(_time(step, 2 if a.quick else a.steps, 1 if a.quick else 3))
         row = {"variant": v + (" + compile" if a.compile else ""), "ms": ms, "compile_s": compile_s,
                **_profile(step, a.top)}
+        if a.memory and dev == "cuda":
+            row.update(_memory(step, a.top))
         if which != "eager":
             row["guard"] = model._forge_guard_stats.as_dict()
             forge.unpatch(model)
@@ -129,6 +179,11 @@ def main(argv=None):
         print("   device by kind:", row["device_by_kind_ms"])
         print("   top device:", "; ".join(f"{k[:60]} {t:.2f} ms x{c}" for k, t, c in row["top_device"]))
         print("   top host:  ", "; ".join(f"{k[:40]} {t:.2f} ms x{c}" for k, t, c in row["top_host"]))
+        if "mem_step_peak_MiB" in row:
+            print(f"   memory: {row['mem_base_MiB']} MiB before the step, its peak {row['mem_step_peak_MiB']} MiB above;"
+                  " alive at the peak, by block size (MiB, count, MiB):", row["mem_at_peak_by_size"])
+            for w, n, mb in row["mem_at_peak_by_frame"]:
+                print(f"     {mb:9.1f} MiB {n:5d} x {w}")
     cols = ["variant", "ms", "device_busy_ms", "host_self_ms"] + (["compile_s"] if a.compile else [])
     bc.print_table([{k: r[k] for k in cols} for r in rows], cols)
     bc.write_results(a.out, "profile_step", rows, {"args": vars(a)},
