@@ -78,8 +78,9 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         fused at every size unless ``min_elements`` names a threshold for it.
     compile_kernels: which of rmsnorm, swiglu, geglu and rope run forge's kernel when the patched
         model is traced by torch.compile; the others hand the trace transformers' code, which
-        inductor fuses with the operations around it. "auto" (default): none of them (the GLU
-        too stays forge's when recompute_mlp=True); "all": every one; or a list of keys. The fused
+        inductor fuses with the operations around it. "auto" (default): in training the GLU
+        (forge's gated MLP keeps less for backward), in inference none; "all": every one; or a
+        list of keys. The fused
         loss and the LoRA kernels always stay forge's under torch.compile. Eager calls are not
         affected (docs/performance.md, "forge and torch.compile").
 

@@ -204,9 +204,10 @@ def test_pallas_fakes_keep_sizes_symbolic():
     torch._dynamo.reset()
 
 
-def _forge_ops_traced(model, ids, labels):
+def _forge_ops_traced(model, ids, labels=None):
     """The kernel keys whose torch.ops.forge op the trace of a training step of ``model`` holds,
-    and its loss (aot_eager behind a backend that records dynamo's graph)."""
+    and its loss (aot_eager behind a backend that records dynamo's graph); without labels, of a
+    forward under no_grad, and its logits."""
     from torch._dynamo.backends.common import aot_autograd
     from functorch.compile import make_boxed_func
 
@@ -218,7 +219,11 @@ def _forge_ops_traced(model, ids, labels):
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
-    loss, _ = _train_step(compiled, model, ids, labels)
+    if labels is None:
+        with torch.no_grad():
+            loss = compiled(ids).logits
+    else:
+        loss, _ = _train_step(compiled, model, ids, labels)
     torch._dynamo.reset()
     ops_seen = {t.split(".")[1] for t in seen if t.startswith("forge.")}
     keys = {k for k in ("rmsnorm", "rope", "gated_mlp", "swiglu", "fused_linear_ce")
@@ -227,15 +232,15 @@ def _forge_ops_traced(model, ids, labels):
 
 
 @pytest.mark.parametrize("kw, want", [
-    ({}, {"fused_linear_ce"}),
+    ({}, {"glu", "fused_linear_ce"}),
     ({"compile_kernels": ["rope"]}, {"rope", "fused_linear_ce"}),
     ({"recompute_mlp": True}, {"glu", "fused_linear_ce"}),
 ])
 def test_compile_kernels_choose_what_the_trace_holds(kw, want):
-    # forge.patch(compile_kernels=): by default a torch.compile trace gets transformers' own
-    # RMSNorm, GLU and RoPE code (inductor fuses it with its neighbours) and forge's fused loss;
-    # a list keeps those forge ops ("all" keeps every one: test_models.py's compile test checks
-    # each op is in the graph); recompute_mlp keeps the GLU (its memory saving). The loss is the
+    # forge.patch(compile_kernels=): by default a training trace gets transformers' own RMSNorm
+    # and RoPE code (inductor fuses it with its neighbours), forge's gated MLP (it keeps less for
+    # backward) and forge's fused loss; a list keeps those forge ops and no others ("all" keeps
+    # every one: test_models.py's compile test checks each op is in the graph). The loss is the
     # eager patched model's either way, and eager calls still fuse.
     need_backend("triton")
     model = build_model("qwen2", num_hidden_layers=1)
@@ -247,6 +252,22 @@ def test_compile_kernels_choose_what_the_trace_holds(kw, want):
     want_loss, _ = _train_step(model, model, ids, labels)
     assert all(model._forge_guard_stats.as_dict()[k]["fused"] > 0 for k in ("rmsnorm", "swiglu", "rope"))
     _close("loss", loss, want_loss, model.config.vocab_size)
+
+
+def test_compile_kernels_auto_in_inference_hands_the_trace_transformers_code():
+    # with mode="infer" the default defers the GLU too: there are no activations to keep, and
+    # inductor fuses silu(gate) * up into its neighbours; eager calls still run forge's kernels
+    need_backend("triton")
+    model = build_model("qwen2", num_hidden_layers=1).eval()
+    ids, _ = _batch(model)
+    forge.patch(model, mode="infer", backend="triton", min_elements=0)
+    got, logits = _forge_ops_traced(model, ids)
+    assert got == set()
+    model._forge_guard_stats.reset()
+    with torch.no_grad():
+        want = model(ids).logits
+    assert all(model._forge_guard_stats.as_dict()[k]["fused"] > 0 for k in ("rmsnorm", "swiglu", "rope"))
+    _close("logits", logits, want, model.config.hidden_size)
 
 
 def _sdpa_masks(graphs):

@@ -54,13 +54,14 @@ class Patcher:
     def defers(self, key: str) -> bool:
         """Inside a torch.compile trace, ``key``'s patched forward runs the original code (which
         inductor fuses with its neighbours) instead of forge's op. "auto": RMSNorm and RoPE
-        defer, and so does the GLU unless recompute_mlp asked for its memory saving; the fused
+        defer; the GLU defers in inference only (in training forge's gated MLP node keeps two
+        rows x intermediate activations per layer where inductor's trace keeps three); the fused
         loss and the LoRA kernels stay forge's (inductor has no counterpart for them)."""
         ck = self._compile_kernels
         if ck == "all":
             return False
         if ck == "auto":
-            return key in DEFERRED_UNDER_COMPILE and not (self.recompute_mlp and key in ("swiglu", "geglu"))
+            return key in DEFERRED_UNDER_COMPILE and not (self.mode == "train" and key in ("swiglu", "geglu"))
         return key not in ck
 
     # -- the interface the LoRA patcher uses -------------------------------------------------
