@@ -3,8 +3,9 @@
 For each variant (eager, forge with all kernels, forge with one kernel) in one process: the
 median wall time of a step, then one step under torch.profiler: the device's busy time (sum of
 kernel durations; JAX's kernels included), the host's time in torch ops, and the top host ops
-and device kernels. A step whose wall time is well above its device time is host-bound, and
-only less host work per call makes it faster.
+and device kernels, and (CUDA) the device's idle gaps charged to the host ops that launched the
+work after them (``device_gaps``). A step whose wall time is well above its device time is
+host-bound, and only less host work per call makes it faster.
 
     python bench/profile_step.py --mode train --batch 4 --seq-len 1024 \
         --variants eager,all,fused_linear_ce [--backend triton] [--min-elements 0] [--compile]
@@ -17,8 +18,11 @@ Writes profile_step-<model>-<mode>-<B>x<S>-<backend>-<device>.{json,csv} into --
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +62,12 @@ def _profile(step, top):
     with profile(activities=acts) as prof:
         step()
         bc.sync()
+    gaps = {}
+    if torch.cuda.is_available():
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            with open(f"{tmp}/trace.json") as f:
+                gaps = device_gaps(json.load(f), top=top)
     from torch.autograd import DeviceType
 
     avg = prof.key_averages()
@@ -76,6 +86,52 @@ def _profile(step, top):
         "host_self_ms": sum(r[1] for r in host),
         "top_device": [list(r) for r in dev[:top]],
         "top_host": [list(r) for r in host[:top]],
+        **gaps,
+    }
+
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def device_gaps(trace: dict, min_us: float = 20.0, top: int = 8) -> dict:
+    """Where the device waits, from a chrome trace of one profiled step: every gap of more than
+    ``min_us`` between one device event's end and the next one's start, charged to the host ops
+    that launched the event after it (the outermost two and the innermost of the ops enclosing
+    its launch call). A gap whose next event was launched less than ``min_us`` before it started
+    is the host's: the device had run out of queued work. Returns the idle total, the host's
+    share, and the largest charges (ms, gaps)."""
+    evs = trace.get("traceEvents", [])
+    dev = sorted((e for e in evs if e.get("cat") in _DEVICE_CATS and "dur" in e), key=lambda e: e["ts"])
+    launch = {e["args"]["correlation"]: e for e in evs
+              if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in evs if e.get("cat") == "cpu_op" and "dur" in e), key=lambda e: (e["ts"], -e["dur"]))
+    starts = [e["ts"] for e in ops]
+
+    def chain(ts):
+        inside = [e for e in ops[:bisect.bisect_right(starts, ts)] if e["ts"] + e["dur"] >= ts]
+        names = [e["name"] for e in inside]
+        return " > ".join(names[:2] + (["..."] if len(names) > 3 else []) + names[2:][-1:]) or "?"
+
+    idle = host = 0.0
+    charged: dict = {}
+    end = dev[0]["ts"] + dev[0]["dur"] if dev else 0.0
+    for nxt in dev[1:]:
+        gap, end = nxt["ts"] - end, max(end, nxt["ts"] + nxt["dur"])
+        if gap <= min_us:
+            continue
+        idle += gap
+        call = launch.get(nxt.get("args", {}).get("correlation"))
+        late = call is not None and nxt["ts"] - call["ts"] < min_us + call.get("dur", 0)
+        host += gap if late else 0.0
+        key = (chain(call["ts"]) if call is not None else "?") + ("" if late else " (launched early)")
+        ms, n = charged.get(key, (0.0, 0))
+        charged[key] = (ms + gap / 1e3, n + 1)
+    return {
+        "device_idle_ms": round(idle / 1e3, 3),
+        "device_idle_host_bound_ms": round(host / 1e3, 3),
+        "idle_by_launcher": [[k, round(ms, 3), n] for k, (ms, n) in
+                             sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]],
     }
 
 
@@ -179,6 +235,11 @@ def main(argv=None):
         print("   device by kind:", row["device_by_kind_ms"])
         print("   top device:", "; ".join(f"{k[:60]} {t:.2f} ms x{c}" for k, t, c in row["top_device"]))
         print("   top host:  ", "; ".join(f"{k[:40]} {t:.2f} ms x{c}" for k, t, c in row["top_host"]))
+        if "device_idle_ms" in row:
+            print(f"   device idle {row['device_idle_ms']} ms in gaps, {row['device_idle_host_bound_ms']} ms of it "
+                  "waiting for the host; by the ops that launched the work after each gap (ms, gaps):")
+            for k, ms, n in row["idle_by_launcher"]:
+                print(f"     {ms:8.3f} ms {n:5d} x {k[:160]}")
         if "mem_step_peak_MiB" in row:
             print(f"   memory: {row['mem_base_MiB']} MiB before the step, its peak {row['mem_step_peak_MiB']} MiB above;"
                   " alive at the peak, by block size (MiB, count, MiB):", row["mem_at_peak_by_size"])
