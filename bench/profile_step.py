@@ -96,7 +96,8 @@ _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
 def device_gaps(trace: dict, min_us: float = 20.0, top: int = 8) -> dict:
     """Where the device waits, from a chrome trace of one profiled step: every gap of more than
-    ``min_us`` between one device event's end and the next one's start, charged to the host ops
+    ``min_us`` between one device event's end (or the first host op's start) and the next device
+    event's start, charged to the host ops
     that launched the event after it (the outermost two and the innermost of the ops enclosing
     its launch call). A gap whose next event was launched less than ``min_us`` before it started
     is the host's: the device had run out of queued work. Returns the idle total, the host's
@@ -115,8 +116,10 @@ def device_gaps(trace: dict, min_us: float = 20.0, top: int = 8) -> dict:
 
     idle = host = 0.0
     charged: dict = {}
-    end = dev[0]["ts"] + dev[0]["dur"] if dev else 0.0
-    for nxt in dev[1:]:
+    # the step's start counts as a device event's end: the wait for the first launch (dynamo's
+    # guards, the graph's prologue) is a gap too
+    end = ops[0]["ts"] if ops else (dev[0]["ts"] if dev else 0.0)
+    for nxt in dev:
         gap, end = nxt["ts"] - end, max(end, nxt["ts"] + nxt["dur"])
         if gap <= min_us:
             continue
@@ -124,7 +127,7 @@ def device_gaps(trace: dict, min_us: float = 20.0, top: int = 8) -> dict:
         call = launch.get(nxt.get("args", {}).get("correlation"))
         late = call is not None and nxt["ts"] - call["ts"] < min_us + call.get("dur", 0)
         host += gap if late else 0.0
-        key = (chain(call["ts"]) if call is not None else "?") + ("" if late else " (launched early)")
+        key = "? (no launch recorded)" if call is None else chain(call["ts"]) + ("" if late else " (launched early)")
         ms, n = charged.get(key, (0.0, 0))
         charged[key] = (ms + gap / 1e3, n + 1)
     return {

@@ -114,7 +114,7 @@ def test_guard_crossover_rule():
 def test_device_gaps_charge_idle_time_to_the_launching_ops():
     # a synthetic trace: k2 launched late inside op > mm (its 60 us gap is the host's), k3
     # launched long before the device reached it (a 100 us gap that is not); a 10 us gap and a
-    # memcpy overlapping k1 count for nothing
+    # memcpy overlapping k1 count for nothing; the step starts 30 us before k1
     sys.path.insert(0, str(ROOT / "bench"))
     from profile_step import device_gaps
 
@@ -122,15 +122,17 @@ def test_device_gaps_charge_idle_time_to_the_launching_ops():
         return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {} if corr is None else {"correlation": corr}}
 
     trace = {"traceEvents": [
-        ev("cpu_op", "step", 0, 400), ev("cpu_op", "op", 140, 30), ev("cpu_op", "aten::mm", 145, 20),
+        ev("cpu_op", "step", -30, 430), ev("cpu_op", "op", 140, 30), ev("cpu_op", "aten::mm", 145, 20),
         ev("cuda_runtime", "cudaLaunchKernel", 150, 5, corr=2), ev("cuda_driver", "cuLaunchKernelEx", 50, 5, corr=3),
         ev("kernel", "k1", 0, 100, corr=1), ev("gpu_memcpy", "m", 20, 30), ev("kernel", "k2", 160, 40, corr=2),
         ev("kernel", "k3", 300, 50, corr=3), ev("kernel", "k4", 360, 10),
     ]}
     got = device_gaps(trace, min_us=20.0)
-    assert got["device_idle_ms"] == pytest.approx(0.16)
+    # the 30 us before k1 (launched by no recorded call) counts as idle, its launcher unknown
+    assert got["device_idle_ms"] == pytest.approx(0.19)
     assert got["device_idle_host_bound_ms"] == pytest.approx(0.06)
-    assert got["idle_by_launcher"] == [["step (launched early)", 0.1, 1], ["step > op > aten::mm", 0.06, 1]]
+    assert got["idle_by_launcher"] == [["step (launched early)", 0.1, 1], ["step > op > aten::mm", 0.06, 1],
+                                       ["? (no launch recorded)", 0.03, 1]]
 
 
 @pytest.mark.slow
