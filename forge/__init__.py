@@ -80,9 +80,9 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         model is traced by torch.compile; the others hand the trace transformers' code, which
         inductor fuses with the operations around it. "auto" (default): in training the GLU
         (forge's gated MLP keeps less for backward), in inference none; "all": every one; or a
-        list of keys. The fused
-        loss and the LoRA kernels always stay forge's under torch.compile. Eager calls are not
-        affected (docs/performance.md, "forge and torch.compile").
+        list of keys. The fused loss and the LoRA kernels always stay forge's under
+        torch.compile. Eager calls are not affected (docs/performance.md, "forge and
+        torch.compile" and "The gated MLP stays forge's in compiled training").
 
     Afterwards ``model._forge_patched_counts`` {key: modules or call sites replaced},
     ``model._forge_skipped`` {key: why declined}, ``model._forge_backends`` {key: backend} and
