@@ -23,7 +23,8 @@ Adding a backend (one folder and one entry in :data:`BACKENDS`):
    ``fused_linear_ce_compute`` (and optionally ``fused_linear_ce_scale``) for the loss.
 3. An adaptor module for the op layer (``forge_triton/_ops.py``, ``bridge/_ops.py`` are the two to
    copy): ``kernels()``, ``op_name``, ``input_names``, ``diff_names``, ``saved_present``,
-   ``has_bwd``, ``inductor``, ``wrapped``, ``run_fwd``/``fake_fwd``, ``run_bwd``/``fake_bwd`` and
+   ``has_bwd``, ``inductor``, ``wrapped``, ``run_fwd``/``fake_fwd``, ``run_bwd``/``fake_bwd`` (or
+   ``traced_bwd``: a backward in plain torch ops, traced into the compiled backward) and
    ``install(traced)``; the functional APIs call the installed ``traced(kdef, tensors, static)``
    under ``torch.compiler.is_compiling()``.
 4. An entry here: ``BACKENDS["new"] = Backend(package="forge_new", adaptor="forge_new._ops",

@@ -19,6 +19,12 @@ class NodeAdaptorBase:
     def has_bwd(self, kdef):
         return True
 
+    def traced_bwd(self, kdef):
+        """None: the node's backward is its backward op. Otherwise a function of the backward op's
+        arguments returning {input name: gradient} from plain torch ops, which the compiled
+        backward traces in place of an op."""
+        return None
+
     def inductor(self, kdef):
         return False
 

@@ -58,7 +58,7 @@ def gated_mlp(backend: str, mlp_act, check_devices):
 
 def fused_linear_ce(backend: str, prepare, compute, one_pass):
     """The fused linear cross-entropy of ``backend`` (forge.spec.fused_linear_ce)."""
-    adaptor = _pre.NodeAdaptor(compute, one_pass)
+    adaptor = _pre.NodeAdaptor(compute)
     adaptor.install(library.traced_entry(backend, adaptor))
 
     def fused_linear_ce(hidden, weight, labels, bias=None, **kwargs):

@@ -8,7 +8,8 @@ each kernel a backend describes (``forge_triton._ops.REGISTRY``, ``bridge.core.r
 ``tensors`` are the kernel's tensor inputs that are not None, ``static`` a string holding the
 hashable arguments (``repr`` of their items, read back with ``ast.literal_eval``, cached) and the
 call's structure (which inputs were None). The forward op's autograd saves what the kernel's
-backward reads and calls the backward op with the gradients the inputs need, bound by name.
+backward reads and calls the backward op with the gradients the inputs need, bound by name (or,
+where an adaptor gives a ``traced_bwd``, runs that in plain torch ops instead: no backward op).
 Residuals are outputs of the forward op (a custom op cannot keep Python state between passes).
 
 When these ops run: only under torch.compile (``torch.compiler.is_compiling()``). Eager calls
@@ -36,6 +37,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar as _guard_scalar
 NAMESPACE = "forge"
 _LOCK = threading.Lock()
 _OPS: dict = {}  # (backend, kernel name) -> the forward op (an OpOverloadPacket)
+_AUTOGRAD: set = set()  # qualified names of the forward ops with a registered backward
 
 
 @functools.lru_cache(maxsize=4096)
@@ -152,13 +154,16 @@ def _define(spec: _Spec):
         fwd_op = torch.library.custom_op(fwd_name, fwd_body, mutates_args=())
         fwd_op.register_fake(fwd_fake)
     has_bwd = ad.has_bwd(kdef)
-    if has_bwd:
+    traced_bwd = ad.traced_bwd(kdef) if hasattr(ad, "traced_bwd") else None  # (optional)
+    if has_bwd and traced_bwd is None:
         if ad.inductor(kdef):
             bwd_op = torch.library.triton_op(bwd_name, ad.wrapped(bwd_body), mutates_args=())
         else:
             bwd_op = torch.library.custom_op(bwd_name, bwd_body, mutates_args=())
             bwd_op.register_fake(bwd_fake)
-        fwd_op.register_autograd(_backward(spec), setup_context=_setup_context(spec))
+    if has_bwd:
+        fwd_op.register_autograd(_backward(spec, traced_bwd), setup_context=_setup_context(spec))
+        _AUTOGRAD.add(fwd_name)
     return getattr(torch.ops.forge, f"{spec.qualname}_fwd")
 
 
@@ -187,18 +192,27 @@ def _setup_context(spec: _Spec):
     return setup_context
 
 
-def _backward(spec: _Spec):
+def _backward(spec: _Spec, traced_bwd=None):
+    """The forward op's registered backward: the backward op, or ``traced_bwd`` (plain torch ops
+    that the compiled backward holds, no op of its own) where the adaptor gives one."""
     bwd = None
+    ad, kdef = spec.adaptor, spec.kdef
 
     def backward(ctx, grad_outs, _grad_res):
         nonlocal bwd
-        if bwd is None:
-            bwd = getattr(torch.ops.forge, f"{spec.qualname}_bwd")
         saved = ctx.saved_tensors
         n = ctx.n_saved
         grads = _materialise(grad_outs, ctx.out_meta)
-        got = dict(zip(ctx.wanted, bwd(list(saved[:n]), list(saved[n:]), list(grads), ctx.flags, ctx.static))) \
-            if ctx.wanted else {}
+        if not ctx.wanted:
+            got = {}
+        elif traced_bwd is not None:
+            items, (present, dtypes) = parse(ctx.static)
+            got = traced_bwd(_expand(saved[:n], ad.saved_present(kdef, present)), tuple(saved[n:]), grads,
+                             _needs(kdef, ad, present, ctx.flags), dict(items), dtypes)
+        else:
+            if bwd is None:
+                bwd = getattr(torch.ops.forge, f"{spec.qualname}_bwd")
+            got = dict(zip(ctx.wanted, bwd(list(saved[:n]), list(saved[n:]), list(grads), ctx.flags, ctx.static)))
         per_input = [got.get(name) for name, p in zip(ctx.names, ctx.present) if p]
         return per_input, None
 
@@ -242,3 +256,9 @@ def op_names(backend: str) -> list[str]:
             if hasattr(torch.ops.forge, f"{q}_bwd"):
                 out.append(f"{NAMESPACE}::{q}_bwd")
     return out
+
+
+def has_autograd(qualname: str) -> bool:
+    """Whether the forward op ``qualname`` ("forge::<backend>_<kernel>_fwd") has a registered
+    backward (its backward op, or plain torch ops traced into the compiled backward)."""
+    return qualname in _AUTOGRAD

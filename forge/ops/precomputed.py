@@ -18,10 +18,11 @@ graph-capturable.
 The backend hands its pieces over through the registry (forge.ops): ``prepare(...)`` (the
 spec's checks, the device tensors the loss needs), ``compute(tensors, static, need_h, need_w,
 need_b)`` and optionally a one-pass scaling kernel ``scale(g, c)`` (returns None where it does
-not apply). Under torch.compile the node is one op pair, ``torch.ops.forge.<backend>_fused_linear_ce_fwd``
-/ ``_bwd`` (:class:`NodeAdaptor`): the backward scales copies of the gradients (an op may not
-write over its inputs), so a compiled step holds each gradient twice for a moment. Imports
-torch and its sibling _adaptor only (never a backend).
+not apply). Under torch.compile the node is one op, ``torch.ops.forge.<backend>_fused_linear_ce_fwd``
+(:class:`NodeAdaptor`), whose registered backward is the scaling in plain torch ops: the
+compiled backward holds it, and inductor writes it over the saved gradients' own buffers (an op
+of its own could only scale copies, holding each gradient twice for a moment). Imports torch and
+its sibling _adaptor only (never a backend).
 """
 from __future__ import annotations
 
@@ -145,14 +146,14 @@ DEF = _Def()
 
 
 class NodeAdaptor(NodeAdaptorBase):
-    """The fused loss of one backend as forge.ops.library ops: ``compute`` is the backend's
-    piece, ``one_pass`` its scaling kernel (or None). Static: the backend's options plus
-    ``need`` (which of grad_h, grad_W, grad_b the forward forms, decided while tracing)."""
+    """The fused loss of one backend as a forge.ops.library op: ``compute`` is the backend's
+    piece. Static: the backend's options plus ``need`` (which of grad_h, grad_W, grad_b the
+    forward forms, decided while tracing)."""
 
     DEF = DEF
 
-    def __init__(self, compute, one_pass):
-        self.compute, self.one_pass = compute, one_pass
+    def __init__(self, compute):
+        self.compute = compute
 
     def input_names(self, kdef, n):
         return kdef.names[:n]
@@ -183,19 +184,17 @@ class NodeAdaptor(NodeAdaptorBase):
         it = iter(res)
         return {n: next(it) for n, w in zip(("hidden", "weight", "bias"), static["need"]) if w}
 
-    def run_bwd(self, kdef, inputs, res, grads, needs, static, dtypes):
+    def traced_bwd(self, kdef):
+        return self._scaled
+
+    def _scaled(self, inputs, res, grads, needs, static, dtypes):
+        """The compiled backward: each gradient times c in c's precision, one rounding to its
+        dtype (as :func:`scale_`), in plain torch ops. The gradients are saved tensors nobody
+        else sees, so inductor's backward may write the product over their own buffers (AOT
+        autograd "donates" such tensors to the backward): no second grad_W-sized buffer."""
         (c,) = grads
         h_dtype = getattr(torch, dtypes[0].removeprefix("torch."))
-        out = {}
-        for name, g in self._grads(res, static).items():
-            if needs.get(name):
-                g = scale_(g.clone(), c, self.one_pass)
-                out[name] = g.to(h_dtype) if name == "hidden" else g
-        return out
-
-    def fake_bwd(self, kdef, inputs, res, grads, needs, static, dtypes):
-        h_dtype = getattr(torch, dtypes[0].removeprefix("torch."))
-        return {name: torch.empty_like(g, dtype=h_dtype if name == "hidden" else g.dtype)
+        return {name: (g.to(c.dtype) * c).to(h_dtype if name == "hidden" else g.dtype)
                 for name, g in self._grads(res, static).items() if needs.get(name)}
 
 
