@@ -270,6 +270,55 @@ def test_compile_kernels_auto_in_inference_hands_the_trace_transformers_code():
     _close("logits", logits, want, model.config.hidden_size)
 
 
+def _saved_for_backward(model, ids, labels):
+    """The shapes of the activations a compiled training step saves for its backward (the
+    forward graph's outputs beyond the loss that are not its inputs), under AOT autograd's
+    min-cut partitioner, the one inductor uses; with the compiled loss and gradients."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    shapes = []
+
+    def fw(gm, _example):
+        (outs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        shapes.extend(tuple(a.meta["val"].shape) for a in outs
+                      if a is not None and a.op != "placeholder" and isinstance(a.meta.get("val"), torch.Tensor))
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _e: make_boxed_func(gm),
+                           partition_fn=min_cut_rematerialization_partition)
+    out = _train_step(torch.compile(model, backend=backend, fullgraph=True), model, ids, labels)
+    torch._dynamo.reset()
+    return shapes, out
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
+def test_compiled_training_recomputes_the_unfused_glu_product(model_type):
+    # A GLU left to inductor in a training trace (below the guard's threshold, or deferred) keeps
+    # g and u for its backward, not act(g) * u as well: forge puts the product in an activation
+    # checkpoint, so the backward makes it again. Per layer two rows x intermediate activations
+    # are saved (unpatched, the partitioner saves three on this torch); the loss and the
+    # gradients stay the eager model's.
+    layers = 2
+    model = build_model(model_type, num_hidden_layers=layers)
+    ids, labels = _batch(model)
+    inter = model.config.intermediate_size
+    plain, _ = _saved_for_backward(model, ids, labels)
+    forge.patch(model, min_elements=10**12)  # every kernel below its threshold: all unfused
+    shapes, (loss, grads) = _saved_for_backward(model, ids, labels)
+    assert model._forge_guard_stats.as_dict()["swiglu" if model_type == "qwen2" else "geglu"]["fused"] == 0
+    per_layer = sum(s[-1:] == (inter,) for s in shapes) / layers
+    assert per_layer == 2, shapes
+    assert per_layer < sum(s[-1:] == (inter,) for s in plain) / layers
+    want_loss, want_grads = _train_step(model, model, ids, labels)
+    k = max(model.config.vocab_size, inter, ids.numel())
+    _close("loss", loss, want_loss, k)
+    for n in want_grads:
+        _close(f"grad {n}", grads[n], want_grads[n], k)
+
+
 def _sdpa_masks(graphs):
     """(has a mask, is_causal) of every SDPA call in dynamo's graphs."""
     out = []

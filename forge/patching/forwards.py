@@ -67,14 +67,15 @@ def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks, recompute=F
     call overhead). Taken when the three projections are plain bias-free Linears (no autocast,
     no hooks, weights not sharded); otherwise the projections run as modules around ``kernel``.
     ``recompute``: the gated MLP keeps only its input for backward (forge.patch(recompute_mlp=)).
-    ``defer``: as rmsnorm_forward's."""
+    ``defer``: as rmsnorm_forward's, but through :func:`_traced_glu`. Unfused calls inside a
+    torch.compile trace take it too."""
     def forward(self, x):
         # activation elements of the fused call: rows x intermediate width
         if x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on:
             if not _compiling():
                 ks.fused += 1
             elif defer:
-                return orig(self, x)
+                return _traced_glu(self, x, orig)
             gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
             if (mlp is not None and (train or not torch.is_grad_enabled()) and _plain_linear(gp, x.dtype)
                     and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype) and not _any_autocast()
@@ -83,9 +84,30 @@ def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks, recompute=F
             return dp(kernel(gp(x), up(x)))
         if not _compiling():
             ks.fallback += 1
-        return orig(self, x)
+            return orig(self, x)
+        return _traced_glu(self, x, orig)
 
     return forward
+
+
+def _act_mul(act, g, u):
+    return act(g) * u
+
+
+def _traced_glu(self, x, orig):
+    """The GLU left to inductor inside a torch.compile trace: the module's own code, except in a
+    training trace, where ``act(g) * u`` sits in an activation checkpoint. Inductor's partitioner
+    otherwise saves that product (rows x intermediate, the down projection's input) beside g
+    and u for the backward; checkpointed, the backward makes it again from g and u (one
+    pointwise pass), as forge's gated MLP node does: one rows x intermediate block less per
+    layer."""
+    act = getattr(self, "act_fn", None)
+    if act is None or not torch.is_grad_enabled():
+        return orig(self, x)
+    g, u = self.gate_proj(x), self.up_proj(x)
+    if not (g.requires_grad or u.requires_grad):
+        return self.down_proj(_act_mul(act, g, u))
+    return self.down_proj(torch.utils.checkpoint.checkpoint(_act_mul, act, g, u, use_reentrant=False))
 
 
 class RebuildError(Exception):
