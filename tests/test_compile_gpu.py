@@ -37,6 +37,36 @@ def _model(model_type, backend, s=128):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
+def test_inductor_default_patch_within_the_oracle(model_type, backend):
+    # forge.patch's defaults under inductor: RMSNorm and RoPE left to inductor, the GLU below its
+    # threshold left to inductor with its product checkpointed, the fused loss's backward traced
+    # into the compiled backward (scaling its saved gradients in place). Compiled, the patched
+    # model runs other code than the eager patched one (transformers' RMSNorm and RoPE under
+    # inductor, forge's kernels in eager), so the check is the parity suite's oracle: each output
+    # as close to the fp32 model as the eager bf16 model is, within the rule's bound
+    import copy
+
+    need_backend(backend)
+    torch._dynamo.reset()
+    model = build_model(model_type, "qwen05b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 128), generator=g).cuda()
+    ref_model = copy.deepcopy(model).float()
+    ref_loss, ref = _step(ref_model, ref_model, ids, ids)
+    del ref_model
+    eager_loss, eager = _step(model, model, ids, ids)
+    forge.patch(model, backend=backend)
+    got_loss, got = _step(torch.compile(model, fullgraph=True), model, ids, ids)
+    k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
+    tolerance.assert_close("loss", got_loss, ref_loss, eager_loss, torch.bfloat16, k)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        tolerance.assert_close(f"grad {n}", got[n], ref[n], eager[n], torch.bfloat16, k)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_inductor_fullgraph_no_recompile(model_type, backend):
     from torch._dynamo.testing import CompileCounterWithBackend
