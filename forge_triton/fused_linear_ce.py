@@ -9,12 +9,14 @@ columns, all rows at once, so every matmul is large even at hidden 896:
           into each row's running max / sum-exp, target logit and logit sum (smoothing); the
           last tile turns them into lse and the row's loss.
   pass 2, only when a gradient is wanted, per tile (the last first: its z is kept from
-          pass 1): recompute z; ``_flce_grad_kernel`` turns it into dL/dz in the input dtype;
+          pass 1): recompute z; ``_flce_grad_kernel`` turns it into dL/dz in the input dtype,
+          written over z's own bytes (a bf16 row over the first half of its fp32 row);
           then grad_W[tile] = dz^T @ h (one exact write per tile) and grad_h += dz @ W[tile]
           (fp32 accumulator).
 
-  Four matmuls (less one tile's) instead of eager's three, and an (N, Vc) fp32 tile plus its
-  bf16 dL/dz instead of the logits.
+  Four matmuls (less one tile's) instead of eager's three, and one (N, Vc) fp32 tile instead of
+  the logits. The host launches about six calls per tile, so the tiles are as wide as the
+  memory budget allows: where a step is host-bound, the tile count is its cost.
 
 Row chunks (``_flce_rows``; the default once a chunk of N / 10 rows has at least 1024 rows):
   per chunk of C rows, all V columns: z = h[chunk] @ W^T, both kernels on whole rows, dL/dz
@@ -39,8 +41,10 @@ from forge.spec import fused_linear_ce as spec
 
 from . import _common, _launch
 
-# Tile width: forge.spec.fused_linear_ce.tile_width (dL/dz adds half of the fp32 tile).
-LOGITS_FRACTION = 1 / 16
+# Tile width: forge.spec.fused_linear_ce.tile_width. 3/32 of the fp32 logits: dL/dz overlays
+# the tile, so this is the footprint that 1/16 plus a separate bf16 dL/dz had (pass 2's tile
+# is alive beside grad_W, where a compiled 4x1024 step peaks), in two thirds of the tiles.
+LOGITS_FRACTION = 3 / 32
 _BLOCK = 2048  # columns per kernel step
 
 
@@ -300,10 +304,11 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
         softcap=softcap, label_smoothing=label_smoothing)
     eps = float(label_smoothing)
     tiles = _tiles(n, v, tile_vocab)
+    w_tiles = [weight[v0:v1] for v0, v1 in tiles]  # (views made once: host time per tile counts)
     grid = (n,)
     need_grad = need_h or need_w or need_b
     for i, (v0, v1) in enumerate(tiles):
-        z = _mm_f32(hidden, weight[v0:v1].t())  # (N, Vc)
+        z = _mm_f32(hidden, w_tiles[i].t())  # (N, Vc)
         if n:
             _STATS[grid](
                 z, bias_arg, labels, m_buf, s_buf, t_buf, sz_buf, rows, z.stride(0), v0, v1 - v0, v,
@@ -323,26 +328,25 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
         gw = _common.empty(weight.shape, weight.dtype, dev)  # (V, H), every row written once
     if need_b:
         gb = _common.empty((v,), bias.dtype, dev)
-    for v0, v1 in reversed(tiles):
+    for i in reversed(range(len(tiles))):
+        (v0, v1), w_t = tiles[i], w_tiles[i]
         if v1 != v:
-            z = _mm_f32(hidden, weight[v0:v1].t())  # (N, Vc) acc dtype
-        if z.dtype == dt:
-            g = z  # in place: each element is read and written by the same thread
-        else:
-            # not over z's own bytes: without a barrier, one warp's bf16 store could land on fp32
-            # columns another warp has not loaded yet
-            g = torch.empty((n, v1 - v0), dtype=dt, device=dev)  # (N, Vc)
+            z = _mm_f32(hidden, w_t.t())  # (N, Vc) acc dtype
+        # dL/dz over z's own bytes: in place when both are fp32 (each element read and
+        # written by the same thread); a narrower dtype's row over the first half of z's
+        # row, behind the kernel's barrier (SYNC)
+        g = z if z.dtype == dt else z.view(dt)[:, : v1 - v0]  # (N, Vc), row stride 2 Vc then
         if n:
             _GRAD[grid](
                 z, g, bias_arg, labels, m_buf, scale, z.stride(0), g.stride(0), v0, v1 - v0,
-                **common, two_z_loss=2.0 * float(z_loss), **flags, SYNC=False, num_warps=8,
+                **common, two_z_loss=2.0 * float(z_loss), **flags, SYNC=g is not z, num_warps=8,
             )
         else:
             g.zero_()
         if need_w:
             _mm_into(gw[v0:v1], g.t(), hidden)  # (Vc, H), one exact write per tile
         if need_h:
-            _addmm_f32_(gh, g, weight[v0:v1])  # (N, H) += (N, Vc) @ (Vc, H)
+            _addmm_f32_(gh, g, w_t)  # (N, H) += (N, Vc) @ (Vc, H)
         if need_b:
             gb[v0:v1] = g.sum(0, dtype=acc_t)
         del z, g
