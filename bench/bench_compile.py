@@ -13,7 +13,9 @@ Variants: ``eager`` (unpatched), ``compile`` (torch.compile of the unpatched mod
 ``forge[-recompute][-min0][-all|-glu|-norm|-normglu]+compile``: forge.patch (``-recompute``:
 recompute_mlp=True; ``-min0``: min_elements=0, no call below the guard's threshold runs unfused;
 ``-all``: compile_kernels="all"; ``-glu`` / ``-norm`` / ``-normglu``: only the GLU / RMSNorm / both kept
-forge's in the trace), then
+forge's in the trace; ``-t16``: the Triton fused loss's vocabulary tiles at 1/16 of the fp32
+logits, its width before they grew to 3/32 (the op is opaque to the trace: the same compiled
+graph runs, only the loss's tile count differs)), then
 torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
 mode="reduce-overhead", CUDA graphs over the compiled step). Peak memory is the variant's own: its model's parameters plus
 the most its step allocated above what every copy holds at rest. Writes
@@ -67,9 +69,34 @@ def _patch_kw(name: str) -> dict | None:
             kw["compile_kernels"] = list(_KEEP[part])
         elif part == "graphs":
             kw["graphs"] = True
+        elif part in _LOSS_FRACTION:  # not a patch keyword: set around each step (_loss_tiles)
+            pass
         else:
             raise SystemExit(f"unknown variant part {part!r} in {name!r}")
     return kw
+
+
+_LOSS_FRACTION = {"t16": 1 / 16}  # variant part -> the Triton loss's LOGITS_FRACTION
+
+
+def _loss_tiles(name: str, step):
+    """``step``, run with the Triton fused loss's tile fraction a ``-t16``-like part names (the
+    module global is read per call, so it is set and restored around each step)."""
+    parts = [p for p in name.removesuffix("+compile-ro").removesuffix("+compile").split("-")
+             if p in _LOSS_FRACTION]
+    if not parts:
+        return step
+    from forge_triton import fused_linear_ce as flce
+
+    frac = _LOSS_FRACTION[parts[-1]]
+
+    def run():
+        old, flce.LOGITS_FRACTION = flce.LOGITS_FRACTION, frac
+        try:
+            return step()
+        finally:
+            flce.LOGITS_FRACTION = old
+    return run
 
 
 def _param_bytes(model) -> int:
@@ -123,14 +150,14 @@ def main(argv=None):
             target = torch.compile(model, backend="inductor" if cuda else "aot_eager",
                                    mode="reduce-overhead" if ro else None)
             t0 = time.perf_counter()
-            _step_fn(target, a.mode, ids)()
+            _loss_tiles(name, _step_fn(target, a.mode, ids))()
             bc.sync()
             row["compile_s"] = time.perf_counter() - t0
             row["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
             # dynamo's cache is shared: a variant whose trace equals an earlier one's (the same
             # code under the same guards) runs that compiled graph and compiles nothing
             row["reused"] = not torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        step = _step_fn(target, a.mode, ids)
+        step = _loss_tiles(name, _step_fn(target, a.mode, ids))
         for _ in range(a.warmup):
             step()
         bc.sync()
