@@ -253,6 +253,35 @@ def test_triton_matmul_count(variant, with_grad, without, device):
     assert counter.count == without
 
 
+class _Allocations(TorchDispatchMode):
+    """(shape, dtype) of every tensor an op returns that is not a view or one of its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {id(a) for a in (*args, *(kwargs or {}).values())}
+        if isinstance(out, torch.Tensor) and not func.is_view and id(out) not in given:
+            self.made.append((tuple(out.shape), out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("variant", ["triton", "triton-rows"])
+def test_triton_grad_overlays_the_logits(variant, device):
+    # bf16: dL/dz is written over the fp32 logits' own bytes in both strategies, so no (rows,
+    # tile) buffer is made for it (the vocabulary tiles' width counts on that: LOGITS_FRACTION)
+    tensors, labels = _inputs(*CPU_SHAPE, torch.bfloat16, device)
+    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
+    allocs = _Allocations()
+    with allocs:
+        _kernel(variant)(h, w, labels).backward()
+    n, _, v = CPU_SHAPE
+    wide = [(s, d) for s, d in allocs.made if len(s) == 2 and s[0] in (n, ROWS["cpu"]) and s[1] >= min(TILE, v)]
+    assert wide and {d for _, d in wide} == {torch.float32}, wide  # the logits tiles, nothing else
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["plain", "softcap_bias", "smooth_zloss_sum"])
