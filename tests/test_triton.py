@@ -143,3 +143,21 @@ def test_fast_launch_matches_the_plain_launch(device):
             glu._fwd[(_common.cdiv(gs.numel(), glu.BLOCK),)](
                 gs, us, got, gs.numel(), BLOCK=glu.BLOCK, GELU=False, ACC=_common.acc(gs.dtype), num_warps=8)
             assert torch.equal(got, want)
+
+
+def test_public_functions_stay_functions_once_the_op_layer_loads_the_kernels():
+    # the op layer imports every kernel module (forge_triton._ops.kernels); rmsnorm and rope
+    # share their module's name, and a first import bound the module over the function, so
+    # forge_triton.rmsnorm(...) failed after any op-layer call (a fresh interpreter: no earlier
+    # access may have cached the function)
+    import subprocess
+    import sys
+
+    code = ("import types, forge_triton\n"
+            "from forge_triton import _ops\n"
+            "_ops.kernels()\n"
+            "for name in ('rmsnorm', 'rope', 'swiglu'):\n"
+            "    fn = getattr(forge_triton, name)\n"
+            "    assert callable(fn) and not isinstance(fn, types.ModuleType), (name, fn)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
