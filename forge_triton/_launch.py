@@ -110,22 +110,6 @@ def _traced(kernel, grid, m):
     return wrap_triton(kernel)[grid]
 
 
-class Kernel:
-    """A ``@triton.jit`` kernel launched through Triton's own path (``k[grid](...)``), in the
-    launch mode of the thread (see _MODE). ``k.kernel`` is the JITFunction."""
-
-    __slots__ = ("kernel",)
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        m = getattr(_MODE, "value", None)
-        if m is not None:
-            return _traced(self.kernel, grid, m)
-        return self.kernel[grid]
-
-
 class FastKernel:
     """Wraps a ``@triton.jit`` kernel; ``fk[grid](*args, **meta)`` launches like the kernel.
     Positional arguments are the kernel's runtime ones (in order); the constexpr parameters and

@@ -157,9 +157,9 @@ def _flce_scale_kernel(g_ptr, c_ptr, numel, BLOCK: tl.constexpr):
     tl.store(g_ptr + offs, _common.cast(g.to(c.dtype) * c, g_ptr.dtype.element_ty), mask=mask)
 
 
-_STATS = _launch.Kernel(_flce_stats_kernel)
-_GRAD = _launch.Kernel(_flce_grad_kernel)
-_SCALE = _launch.Kernel(_flce_scale_kernel)
+_STATS = _launch.FastKernel(_flce_stats_kernel)
+_GRAD = _launch.FastKernel(_flce_grad_kernel)
+_SCALE = _launch.FastKernel(_flce_scale_kernel)
 
 
 def scale_kernel(g, c):
