@@ -12,6 +12,8 @@ from forge import _runtime
 _runtime.ensure_triton_mode()
 
 import importlib  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
 
 # public name -> (module that defines it, its name there)
 _WHERE = {
@@ -37,6 +39,23 @@ def availability() -> tuple[bool, str]:
     except ImportError as e:
         return False, f"triton is not installed ({e})"
     return True, ""
+
+
+class _Package(types.ModuleType):
+    """The package's module type: rmsnorm, rope and decode_attention name both a kernel module and
+    the public function it defines. Python binds a submodule on its package when it first loads
+    it (an import anywhere, the op layer's included), which would put the module where
+    ``forge_triton.rmsnorm`` should be the function: that one binding is refused, and the name
+    stays the function's (loaded through :func:`__getattr__`). The module itself stays reachable
+    as ``sys.modules["forge_triton.rmsnorm"]`` and by ``from forge_triton.rmsnorm import ...``."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _WHERE.get(name, ("",))[0] == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name):

@@ -76,16 +76,9 @@ def register(kdef: KernelDef) -> KernelDef:
 def kernels() -> list:
     """Every KernelDef of this backend (imports the kernel modules)."""
     import importlib
-    import sys
-    import types
 
-    pkg = sys.modules[__package__]
     for mod in ("rmsnorm", "glu", "rope", "lora"):
         importlib.import_module(f"{__package__}.{mod}")
-        # a first import binds the module over the package's public function of the same name
-        # (forge_triton.rmsnorm): unbind it, and the package's __getattr__ serves the function
-        if mod in pkg._WHERE and isinstance(pkg.__dict__.get(mod), types.ModuleType):
-            del pkg.__dict__[mod]
     return list(REGISTRY.values())
 
 

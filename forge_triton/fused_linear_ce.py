@@ -261,6 +261,14 @@ def _addmm_into_(out, a, b):
         out.addmm_(a, b)
 
 
+def _dz_over(z, dt):
+    """dL/dz's buffer, over the fp32 logits z's own bytes (both strategies): z itself when dL/dz
+    is fp32 too (each element read and written by the same thread), else each row of the
+    narrower dtype over the first half of z's row (row stride twice z's width), which the grad
+    kernel writes behind its barrier (SYNC, set where this is not z)."""
+    return z if z.dtype == dt else z.view(dt)[:, : z.shape[1]]
+
+
 def _tiles(n, v, tile_vocab):
     """Tile boundaries over the vocabulary: ``tile_vocab`` columns, or as wide as the memory
     budget allows, balanced so the last tile is not a sliver."""
@@ -332,10 +340,7 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
         (v0, v1), w_t = tiles[i], w_tiles[i]
         if v1 != v:
             z = _mm_f32(hidden, w_t.t())  # (N, Vc) acc dtype
-        # dL/dz over z's own bytes: in place when both are fp32 (each element read and
-        # written by the same thread); a narrower dtype's row over the first half of z's
-        # row, behind the kernel's barrier (SYNC)
-        g = z if z.dtype == dt else z.view(dt)[:, : v1 - v0]  # (N, Vc), row stride 2 Vc then
+        g = _dz_over(z, dt)  # (N, Vc)
         if n:
             _GRAD[grid](
                 z, g, bias_arg, labels, m_buf, scale, z.stride(0), g.stride(0), v0, v1 - v0,
@@ -390,7 +395,7 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
         )
         if not need_grad:
             continue
-        g = z if z.dtype == dt else z.view(dt)[:, :v]  # (C, V), row stride 2V when narrower
+        g = _dz_over(z, dt)  # (C, V)
         _GRAD[(r1 - r0,)](
             z, g, bias_arg, y_c, lse_c, scale, z.stride(0), g.stride(0), 0, v, **common,
             two_z_loss=2.0 * float(z_loss), **flags, SYNC=g is not z, num_warps=8,

@@ -146,17 +146,18 @@ def test_fast_launch_matches_the_plain_launch(device):
 
 
 def test_public_functions_stay_functions_once_the_op_layer_loads_the_kernels():
-    # the op layer imports every kernel module (forge_triton._ops.kernels); rmsnorm and rope
-    # share their module's name, and a first import bound the module over the function, so
+    # rmsnorm, rope and decode_attention share their module's name, and a module's first import
+    # (the op layer's, forge_triton._ops.kernels, or anyone's) bound it over the function, so
     # forge_triton.rmsnorm(...) failed after any op-layer call (a fresh interpreter: no earlier
     # access may have cached the function)
     import subprocess
     import sys
 
     code = ("import types, forge_triton\n"
+            "import forge_triton.decode_attention\n"  # (a direct submodule import, the same binding)
             "from forge_triton import _ops\n"
             "_ops.kernels()\n"
-            "for name in ('rmsnorm', 'rope', 'swiglu'):\n"
+            "for name in ('rmsnorm', 'rope', 'decode_attention', 'swiglu'):\n"
             "    fn = getattr(forge_triton, name)\n"
             "    assert callable(fn) and not isinstance(fn, types.ModuleType), (name, fn)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import types
 
 from ..errors import BackendUnavailableError
 
@@ -111,15 +110,9 @@ def require(backend: str) -> None:
 
 
 def _attr(mod, key):
-    fn = getattr(mod, key, None)
-    if isinstance(fn, types.ModuleType):
-        # the kernel modules share their public function's name and load lazily: importing one
-        # directly (``from forge_triton.rmsnorm import ...``) binds the module over the
-        # package's name for the function; take the function and bind it back
-        fn = getattr(fn, key, None)
-        if fn is not None:
-            setattr(mod, key, fn)
-    return fn
+    # (a package whose kernel module shares its public function's name keeps the name for the
+    # function itself: forge_triton._Package)
+    return getattr(mod, key, None)
 
 
 @functools.cache
