@@ -26,12 +26,15 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import torch  # noqa: E402
 
+from diag_compile_host import SLEEP_CYCLES  # noqa: E402  (the same sleep ahead of each enqueue)
 from forge import ops  # noqa: E402
 from forge.spec import fused_linear_ce as spec  # noqa: E402
-
-SLEEP_CYCLES = 400_000_000  # about 0.2 s at the H200's clock
 
 
 def main(argv=None):
