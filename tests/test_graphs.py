@@ -143,6 +143,52 @@ def test_deepcopy_of_a_graphs_patched_model_runs():
     assert dup._forge_graphs is not model._forge_graphs and dup._forge_graphs.layers[0] is dup.model.layers[0]
 
 
+def _compiled_step(compiled, model, ids, labels):
+    """_step through a compiled wrapper (gradients read off the model's own names)."""
+    model.zero_grad(set_to_none=True)
+    loss = compiled(ids, labels=labels).loss
+    loss.backward()
+    return loss.detach().clone(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                   if p.grad is not None}
+
+
+def test_under_compile_each_layer_is_one_op(monkeypatch):
+    """graphs=True under torch.compile(fullgraph=True): each decoder layer is one
+    forge::graph_layer op. On the CPU (let through the op here; a CPU model's calls never
+    replay) the op runs the layer uncaptured, recorded and differentiated by autograd inside it,
+    and the compiled step equals the eager patched one bit for bit."""
+    monkeypatch.setattr(graphs_mod, "OP_DEVICES", ("cuda", "cpu"))
+    model = build_model("qwen2", attn_implementation="sdpa")
+    plain = copy.deepcopy(model)
+    forge.patch(plain, kernels=["fused_linear_ce"])
+    forge.patch(model, kernels=["fused_linear_ce"], graphs=True)
+    ids, labels = _ids(model, 2, 8, "cpu")
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(model)(ids, labels=labels)
+    assert ex.graph_break_count == 0
+    code = "".join(g.code for g in ex.graphs)
+    assert code.count("forge.graph_layer") == model.config.num_hidden_layers, code
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        _same(_compiled_step(compiled, model, ids, labels), _step(plain, ids, labels), f"compiled step {step}")
+    g = model._forge_graphs
+    assert g.stats.replayed == 0 and g.stats.why.get("hidden states not a CUDA tensor", 0) >= 3
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, plain(ids).logits)
+    # two forwards before a backward: the first's activations are gone, its backward says so
+    l1 = compiled(ids, labels=labels).loss
+    l2 = compiled(ids, labels=labels).loss
+    with pytest.raises(RuntimeError, match="another forward ran before this backward"):
+        (l1 + l2).backward()
+    # torch.compile's own CUDA graphs over forge's: refused while inductor traces, in words
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mode='reduce-overhead'"):
+        torch.compile(model, fullgraph=True, mode="reduce-overhead")(ids, labels=labels)
+    torch._dynamo.reset()
+    forge.unpatch(model)
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: replays against the uncaptured kernels
 
@@ -248,6 +294,38 @@ def test_flash_attention_replay_meets_the_oracle(model_type, recompute_mlp):
     tolerance.assert_close("loss", got[0], ref[0], eager[0], torch.bfloat16, k)
     for n in ref[1]:
         tolerance.assert_close(f"grad {n}", got[1][n], ref[1][n], eager[1][n], torch.bfloat16, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type,recompute_mlp", [("qwen2", False), ("qwen3", True), ("gemma", False)])
+def test_compiled_replay_meets_the_oracle(model_type, recompute_mlp):
+    """graphs=True, then torch.compile(fullgraph=True) with inductor: the layers replay their
+    graphs from inside the compiled step (one op each); loss and gradients against an fp32
+    copy of the unpatched model, with the unpatched bf16 model as the eager baseline."""
+    from forge.spec import tolerance
+
+    model = _gpu_model(model_type)
+    ids, labels = _ids(model, 2, 256, "cuda")
+    ref = _step(copy.deepcopy(model).float(), ids, labels)
+    eager = _step(model, ids, labels)
+    forge.patch(model, backend="triton", graphs=True, recompute_mlp=recompute_mlp)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    for _ in range(4):  # uncaptured, captured, replayed twice
+        got = _compiled_step(compiled, model, ids, labels)
+    st = model._forge_graphs.stats
+    assert st.captures == 1 and st.replayed == 3 and st.why == {"first call of this shape": 1}, st
+    c = model.config
+    k = max(c.vocab_size, c.intermediate_size, c.hidden_size, ids.numel())
+    tolerance.assert_close("loss", got[0], ref[0], eager[0], torch.bfloat16, k)
+    for n in ref[1]:
+        tolerance.assert_close(f"grad {n}", got[1][n], ref[1][n], eager[1][n], torch.bfloat16, k)
+    # without grad: the forward's graphs (a set of their own: uncaptured, captured, replayed);
+    # the replay gives the uncaptured layers' bits
+    with torch.no_grad():
+        outs = [compiled(ids, use_cache=False).logits for _ in range(3)]
+    assert st.captures == 2 and st.replayed == 5, st
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
 
 
 @pytest.mark.gpu

@@ -524,6 +524,7 @@ def _apply_graphs(root, p):
         p.skip("graphs", why)
         return None
     forwards = [type(layer).forward for layer in layers]
+    _graphs.register_ops()  # the layer op a torch.compile trace of the patched model calls
     g = _graphs.Graphs(root, layers, forwards)
     for i, (layer, orig) in enumerate(zip(layers, forwards)):
         p.replace_forward(layer, "graphs", types.MethodType(_graphs.layer_forward(g, i, orig), layer))

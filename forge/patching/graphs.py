@@ -33,8 +33,7 @@ as usual).
 A call replays only when replaying is safe and gives what the uncaptured forward would; else it
 runs the forward as patched without graphs (counted in ``stats``, with the reason):
 
-- the pass: no gradient checkpointing, no autocast, not under torch.compile, CUDA hidden
-  states, ``attention_mask`` None (the causal mask left to SDPA), no KV cache but an empty
+- the pass: no gradient checkpointing, no autocast, CUDA hidden states, ``attention_mask`` None (the causal mask left to SDPA), no KV cache but an empty
   ``DynamicCache`` without grad (the fused loss asks the decoder for none in training;
   ``generate()``'s decoding steps are captured whole by ``decode.py`` in mode="infer"), attention ``sdpa`` or
   ``eager`` (position_ids unused), no other arguments, no hooks on the layers or their modules,
@@ -50,10 +49,17 @@ buffers were reused. Graphs capture Triton kernels and Pallas kernels launched n
 torch's stream (bridge/native.py); where that path is unavailable (JAX would launch on its own
 stream, outside torch's capture) ``graphs=True`` with a Pallas layer kernel is refused at patch
 time, and a Pallas pass the native path declines fails its capture, which then runs uncaptured.
+
+Under torch.compile each layer call that fits is one op, ``forge::graph_layer``, which runs the
+same pass logic when the compiled code calls it (see "Under torch.compile" below): the compiled
+step replays the layers' graphs, and inductor compiles what lies around them (embedding, final
+norm, the loss's op). ``mode="reduce-overhead"`` is refused while inductor traces (its CUDA
+graphs would capture forge's replays).
 """
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import torch
@@ -86,16 +92,17 @@ def decoder_layers(root):
     return list(layers), None
 
 
-def graph_pool_bytes(model) -> int:
+def graph_pool_bytes(model, whole: bool = False) -> int:
     """Bytes held by ``model``'s graph pool that no live tensor holds (invisible to torch's
-    ``memory_allocated``; replays write there). 0 without graphs."""
+    ``memory_allocated``; replays write there), or with ``whole`` all of the pool's bytes (the
+    live tensors in it too). 0 without graphs."""
     g = getattr(model, "_forge_graphs", None)
     if g is None or g.pool is None:
         return 0
     held = 0
     for seg in torch.cuda.memory_snapshot():
         if tuple(seg.get("segment_pool_id", (0, 0))) == g.pool:
-            held += sum(b["size"] for b in seg["blocks"] if b["state"] != "active_allocated")
+            held += sum(b["size"] for b in seg["blocks"] if whole or b["state"] != "active_allocated")
     return held
 
 
@@ -112,7 +119,7 @@ class _Layer:
     # g, flat: the set's shared gradient buffers (held here, not the set: no reference cycle, so
     # unpatch frees the graphs and their pool at once, never in a garbage collection mid-capture)
     __slots__ = ("g", "flat", "fwd", "bwd", "x", "out", "params", "grad_mask", "nflat", "x_grad", "copy_in", "last",
-                 "kv")
+                 "kv", "grad")
 
 
 class _Set:
@@ -273,6 +280,8 @@ class Graphs:
         self.cur: _Set | None = None
         self.nxt = 0
         self.last_out = self.pcos = self.psin = self.pcache = None
+        self.gid = _register(self)  # how a compiled trace's ops find this object (traced_layer)
+        self.op_pending: dict[int, tuple] = {}  # layer -> its op forward, until its backward op
 
     def __deepcopy__(self, memo):
         return self  # copy.deepcopy(model): the copy's layers call this object and run uncaptured
@@ -280,11 +289,31 @@ class Graphs:
     # -- one decoder pass --------------------------------------------------------------------
     def call(self, i, layer, x, args, kwargs):
         """The layer's output from its graph, or None: run the uncaptured forward."""
+        lg = self._enter(i, layer, x, args, kwargs, torch.is_grad_enabled(), x.requires_grad, False)
+        if lg is None:
+            return None
+        if lg.grad:
+            out = _Replay.apply(lg, x, *lg.params)
+        else:  # no autograd: the forward's graph alone
+            if lg.copy_in:
+                lg.x.copy_(x)
+            lg.fwd.replay()
+            out = lg.out.detach()
+            if lg.kv is not None:  # the prefill's keys and values into the caller's cache
+                kwargs.get("cache", kwargs.get("past_key_values")).update(*lg.kv)
+        self._advance(i, out)
+        return out
+
+    def _enter(self, i, layer, x, args, kwargs, grad, x_grad, op):
+        """Layer ``i``'s captured graphs for this call (a ``_Layer``), or None: run uncaptured.
+        ``op``: called from the traced op (:func:`traced_layer`), where the hidden states are
+        copied into the graph's input, and so are cos / sin unless they are the tensor the
+        pass began with (the same address, held here)."""
         if self.paused or layer is not self.layers[i]:
             return None  # a decoding step captured whole, or a deep copy of the model
         if i == 0:
             self.cur = None
-            why = self._begin(layer, x, args, kwargs)
+            why = self._begin(layer, x, args, kwargs, grad, x_grad)
             if why is not None:
                 self.stats.uncaptured += 1
                 self.stats.why[why] = self.stats.why.get(why, 0) + 1
@@ -294,34 +323,127 @@ class Graphs:
             return None
         pe = kwargs.get("position_embeddings")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if (self.nxt != i or args or (i and x is not self.last_out) or type(pe) is not tuple
-                or pe[0] is not self.pcos or pe[1] is not self.psin or kwargs.get("attention_mask") is not None
-                or cache is not self.pcache):
+        if op:
+            broken = self.nxt != i
+            if not broken and (pe[0].data_ptr() != self.pcos.data_ptr() or pe[1].data_ptr() != self.psin.data_ptr()):
+                # inductor may hand each op call its own copy of cos / sin: take this call's
+                s.cos.copy_(pe[0])
+                s.sin.copy_(pe[1])
+                self.pcos, self.psin = pe
+        else:
+            broken = (self.nxt != i or args or (i and x is not self.last_out) or type(pe) is not tuple
+                      or pe[0] is not self.pcos or pe[1] is not self.psin
+                      or kwargs.get("attention_mask") is not None or cache is not self.pcache)
+        if broken:
             self._end()  # out of step with the capture: the rest of this pass runs uncaptured
             self.stats.why["pass broken"] = self.stats.why.get("pass broken", 0) + 1
             return None
-        lg = s.layers[i]
-        if s.grad:
-            out = _Replay.apply(lg, x, *lg.params)
-        else:  # no autograd: the forward's graph alone
-            if lg.copy_in:
-                lg.x.copy_(x)
-            lg.fwd.replay()
-            out = lg.out.detach()
-            if lg.kv is not None:  # the prefill's keys and values into the caller's cache
-                cache.update(*lg.kv)
-        if i + 1 == len(s.layers):
+        return s.layers[i]
+
+    def _advance(self, i, out):
+        if i + 1 == len(self.layers):
             self._end()
             self.stats.replayed += 1
         else:
             self.nxt, self.last_out = i + 1, out
+
+    # -- the same, as ops inside a compiled trace (traced_layer) ------------------------------
+    def traceable(self, i, layer, x, args, kwargs) -> bool:
+        """Whether a layer call inside a torch.compile trace becomes the op: what the trace
+        can know (the call's arguments, the model's settings); the rest is decided per call at
+        run time, as in eager."""
+        if self.paused or layer is not self.layers[i] or args or x.device.type not in OP_DEVICES:
+            return False
+        for k in kwargs:
+            if k not in _KWARGS:
+                return False
+        if (kwargs.get("attention_mask") is not None or kwargs.get("cache") is not None
+                or kwargs.get("past_key_values") is not None):
+            return False
+        pe = kwargs.get("position_embeddings")
+        if type(pe) is not tuple or len(pe) != 2 or not all(isinstance(t, torch.Tensor) for t in pe):
+            return False
+        if torch.is_grad_enabled() and layer.training and getattr(layer, "gradient_checkpointing", False):
+            return False
+        if _any_autocast():
+            return False
+        if len({p.dtype for p in layer.parameters() if p.requires_grad}) > 1:
+            return False  # (the backward hands the gradients back in one flat buffer)
+        return getattr(self.root.config, "_attn_implementation", None) in ATTN_OK
+
+    def op_forward(self, i, x, cos, sin, grad, x_grad):
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "forge graphs: a decoder layer replay was called inside another CUDA graph capture (torch.compile "
+                "with mode='reduce-overhead'?); forge.patch(graphs=True) already captures the layers: use one of them")
+        layer = self.layers[i]
+        kwargs = {"attention_mask": None, "position_embeddings": (cos, sin)}
+        if i == 0:
+            self.op_pending.clear()  # a pass whose backward never ran (its backward op now raises)
+        with _autograd_on(), torch.set_grad_enabled(grad):
+            lg = self._enter(i, layer, x, (), kwargs, grad, x_grad, True)
+            if lg is None:
+                xi = x.detach().requires_grad_(x_grad)
+                out = self.forwards[i](layer, xi, **kwargs)
+                if grad:
+                    self.op_pending[i] = (None, xi, out)
+                return out.detach()
+            lg.x.detach().copy_(x)  # (a leaf that requires grad: its storage, outside autograd)
+            lg.fwd.replay()
+            out = lg.out.clone()
+            if grad:
+                tok = _Token()
+                lg.last = weakref.ref(tok)
+                self.op_pending[i] = (lg, tok)
+        self._advance(i, out)
         return out
+
+    def op_backward(self, i, g, params):
+        """(dx, the parameters' gradients flat in their order): one buffer, which the traced
+        backward splits into views (an op's outputs may not alias one another)."""
+        e = self.op_pending.pop(i, None)
+        if e is None:
+            raise RuntimeError(
+                f"forge graphs: under torch.compile, decoder layer {i}'s backward found no forward waiting for it: "
+                "another forward ran before this backward (it reused the activations this backward needs), or this "
+                "is a second backward of one forward. Run each forward's backward before the next forward, or "
+                "patch with graphs=False")
+        lg = e[0]
+        flat = None
+        if lg is None:  # the forward ran uncaptured, recorded by autograd inside the op
+            _, xi, out = e
+            ps = [p for p in self.layers[i].parameters() if p.requires_grad]
+            inputs = ([xi] if xi.requires_grad else []) + ps
+            with _autograd_on(), torch.enable_grad():
+                gs = list(torch.autograd.grad(out, inputs, g, allow_unused=True)) if out.requires_grad else []
+            gs += [None] * (len(inputs) - len(gs))
+            gx = gs.pop(0) if xi.requires_grad else None
+        else:
+            e[1].done = True
+            ps = lg.params
+            g_in = lg.g
+            g_in.copy_(g)
+            if lg.x_grad or lg.nflat:
+                lg.bwd.replay()
+            gx = g_in.clone() if lg.x_grad else None
+            if lg.nflat and all(lg.grad_mask):  # the capture's flat buffer is already in order
+                flat = lg.flat[:lg.nflat].clone()
+            else:
+                views = iter(torch._utils._unflatten_dense_tensors(
+                    lg.flat[:lg.nflat], [p for p, m in zip(ps, lg.grad_mask) if m]) if lg.nflat else [])
+                gs = [next(views) if m else None for m in lg.grad_mask]
+        if len(ps) != len(params):
+            raise RuntimeError(f"forge graphs: decoder layer {i} has {len(ps)} trainable parameters, the compiled "
+                               f"trace {len(params)}: compile the model again")
+        if flat is None:
+            flat = torch.cat([(d if d is not None else torch.zeros_like(p)).reshape(-1) for d, p in zip(gs, params)]
+                             ) if params else g.new_empty(0)
+        return gx if gx is not None else torch.zeros_like(g), flat
 
     def _end(self):
         self.cur, self.last_out, self.pcos, self.psin, self.pcache = None, None, None, None, None
 
-    def _begin(self, layer, x, args, kwargs):
-        grad = torch.is_grad_enabled()
+    def _begin(self, layer, x, args, kwargs, grad, x_grad):
         if args or kwargs.keys() - _KWARGS:
             return "arguments other than HF's decoder loop's"
         if kwargs.get("attention_mask") is not None:
@@ -348,7 +470,7 @@ class Graphs:
         if kind in self.failed:
             return self.failed[kind]
         cos, sin = pe
-        key = (*kind, layer.training, tuple(x.shape), x.dtype, x.device, x.requires_grad, tuple(cos.shape),
+        key = (*kind, layer.training, tuple(x.shape), x.dtype, x.device, x_grad, tuple(cos.shape),
                cos.dtype, tuple(sin.shape), sin.dtype)
         s = self.sets.get(key)
         if s is not None and not s.unchanged():
@@ -367,7 +489,7 @@ class Graphs:
                 return f"more than {MAX_SETS} shapes captured"
             if self.stats.captures >= MAX_CAPTURES:
                 return f"more than {MAX_CAPTURES} captures"
-            s = self._capture(key, kind, x, cos, sin, "cache" if "cache" in kwargs else "past_key_values")
+            s = self._capture(key, kind, x, x_grad, cos, sin, "cache" if "cache" in kwargs else "past_key_values")
             if s is None:
                 return self.failed[kind]
             self.seen.pop(key, None)
@@ -393,9 +515,9 @@ class Graphs:
         kw = {s.cache_name: s.recorder, "use_cache": True} if s.recorder is not None else {}
         return self.forwards[i](self.layers[i], x, attention_mask=None, position_embeddings=(s.cos, s.sin), **kw)
 
-    def _capture(self, key, kind, x0, cos, sin, cache_name):
+    def _capture(self, key, kind, x0, x_grad, cos, sin, cache_name):
         try:
-            s = self._capture_set(kind, x0, cos, sin, cache_name)
+            s = self._capture_set(kind, x0, x_grad, cos, sin, cache_name)
         except Exception as e:  # noqa: BLE001 - never break the call: this kind runs uncaptured from now on
             self.failed[kind] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
             import warnings
@@ -408,7 +530,7 @@ class Graphs:
         self.stats.captures += 1
         return s
 
-    def _capture_set(self, kind, x0, cos, sin, cache_name):
+    def _capture_set(self, kind, x0, x_grad, cos, sin, cache_name):
         watch_workspaces()
         s = _Set(kind[0])
         if kind[1]:
@@ -430,7 +552,7 @@ class Graphs:
         nflat = max((sum(p.numel() for p in ps) for ps in trainable), default=0)
         pdtype = next((ps[0].dtype for ps in trainable if ps), x0.dtype)
         s.flat = torch.zeros(max(nflat, 1), dtype=pdtype, device=dev)
-        x_in = torch.zeros_like(x0).requires_grad_(x0.requires_grad)
+        x_in = torch.zeros_like(x0).requires_grad_(x_grad)
         side = capture_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         # The capture differentiates with respect to aliases of the trainable parameters (same
@@ -456,7 +578,7 @@ class Graphs:
             outs, xs = [], []
             for i in range(len(self.layers)):
                 lg = _Layer()
-                lg.g, lg.flat, lg.last = s.g, s.flat, None
+                lg.g, lg.flat, lg.last, lg.grad = s.g, s.flat, None, s.grad
                 lg.fwd, lg.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 lg.copy_in = i == 0
                 xi = x_in if i == 0 else outs[-1].detach().requires_grad_(outs[-1].requires_grad)
@@ -520,9 +642,119 @@ class Graphs:
 
 def layer_forward(graphs, i, orig):
     """Decoder layer ``i``'s forward: its graph's replay, or ``orig`` (the layer's forward as
-    patched, uncaptured) when the call does not fit the capture."""
+    patched, uncaptured) when the call does not fit the capture. Inside a torch.compile trace a
+    call that fits (:meth:`Graphs.traceable`) is one ``forge::graph_layer`` op (see
+    :func:`traced_layer`); any other is traced as ``orig``."""
     def forward(self, hidden_states, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            if graphs.traceable(i, self, hidden_states, args, kwargs):
+                return traced_layer(graphs, i, self, hidden_states, kwargs["position_embeddings"])
+            return orig(self, hidden_states, *args, **kwargs)
         out = graphs.call(i, self, hidden_states, args, kwargs)
         return out if out is not None else orig(self, hidden_states, *args, **kwargs)
 
     return forward
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torch.compile: each decoder layer one op
+#
+# A layer call inside a compiled trace becomes ``torch.ops.forge.graph_layer(x, cos, sin,
+# params, gid, i, grad, x_grad)``: opaque to inductor, with a fake (same shape as x) and a
+# registered backward, ``forge::graph_layer_backward(g, params, gid, i) -> [dx, *dparams]``. At
+# run time the op finds the model's Graphs by ``gid`` and runs the same pass logic as an eager
+# call: the layer's captured forward (the hidden states copied into the graph's input, its
+# output cloned out of the pool: inductor may write over a buffer an op handed it once it is
+# dead, and the next layer's graph reads the previous one's output in place), or, where the
+# capture does not fit (its first call, a CPU tensor, hooks, a changed parameter), the layer's
+# patched forward, recorded and differentiated by autograd inside the op. The backward op
+# replays the layer's backward graph, or differentiates that recording. The pending forwards
+# are kept per layer until their backward: a forward that starts a new pass first drops any
+# pass whose backward never ran, and that pass's backward, if it comes later, raises.
+# Parameters a layer does not use get zero gradients, not None (an op's list output holds
+# tensors only).
+
+OP_DEVICES = ("cuda",)  # hidden states on these device types take the op inside a trace
+_LIVE: dict = {}  # gid -> weak reference to its Graphs
+_NEXT_GID = [0]
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
+
+
+def _register(g) -> int:
+    _NEXT_GID[0] += 1
+    gid = _NEXT_GID[0]
+    _LIVE[gid] = weakref.ref(g, lambda _r, gid=gid: _LIVE.pop(gid, None))
+    return gid
+
+
+def _live(gid: int) -> "Graphs":
+    r = _LIVE.get(gid)
+    g = r() if r is not None else None
+    if g is None:
+        raise RuntimeError("forge graphs: this compiled code calls the decoder layers of a model that was unpatched "
+                           "or deleted since it was compiled; compile the model again")
+    return g
+
+
+def _autograd_on():
+    """An op's implementation runs below autograd (the dispatcher excludes its keys); the
+    uncaptured layer and the capture record and differentiate the layer themselves."""
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS)
+
+
+def traced_layer(graphs, i, layer, x, pe):
+    """Inside a torch.compile trace: layer ``i`` as one ``forge::graph_layer`` op."""
+    grad = torch.is_grad_enabled()
+    params = [p for p in layer.parameters() if p.requires_grad] if grad else []
+    return torch.ops.forge.graph_layer(x, pe[0], pe[1], params, graphs.gid, i, grad, grad and x.requires_grad)
+
+
+_OPS_LOCK = threading.Lock()
+
+
+def register_ops() -> None:
+    """``forge::graph_layer`` and its backward (once per process; forge.patch(graphs=True) calls it)."""
+    with _OPS_LOCK:
+        if hasattr(torch.ops.forge, "graph_layer"):
+            return
+        @torch.library.custom_op("forge::graph_layer", mutates_args=(), schema=(
+            "(Tensor x, Tensor cos, Tensor sin, Tensor[] params, int gid, int i, bool grad, bool x_grad) -> Tensor"))
+        def graph_layer(x, cos, sin, params, gid, i, grad, x_grad):
+            return _live(gid).op_forward(i, x, cos, sin, grad, x_grad)
+
+        @graph_layer.register_fake
+        def _(x, cos, sin, params, gid, i, grad, x_grad):
+            from torch._inductor import config as inductor_config
+
+            # (inductor's options are in force while it traces: the earliest point that knows)
+            if inductor_config.triton.cudagraphs:
+                raise RuntimeError(
+                    "forge.patch(graphs=True) replays its own CUDA graphs of the decoder layers, and "
+                    "torch.compile(mode='reduce-overhead') would capture those replays inside its own graphs: "
+                    "compile with the default mode, or patch with graphs=False")
+            return torch.empty_like(x)
+
+        @torch.library.custom_op("forge::graph_layer_backward", mutates_args=(),
+                                 schema="(Tensor g, Tensor[] params, int gid, int i) -> (Tensor, Tensor)")
+        def graph_layer_backward(g, params, gid, i):
+            return _live(gid).op_backward(i, g, params)
+
+        @graph_layer_backward.register_fake
+        def _(g, params, gid, i):
+            n = sum(p.numel() for p in params)
+            return torch.empty_like(g), g.new_empty(n, dtype=params[0].dtype if params else g.dtype)
+
+        def setup_context(ctx, inputs, output):
+            _x, _cos, _sin, params, gid, i, _grad, x_grad = inputs
+            ctx.gid, ctx.i, ctx.x_grad = gid, i, x_grad
+            ctx.save_for_backward(*params)
+
+        def backward(ctx, g):
+            params = ctx.saved_tensors
+            gx, flat = torch.ops.forge.graph_layer_backward(g, list(params), ctx.gid, ctx.i)
+            grads = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
+            return gx if ctx.x_grad else None, None, None, grads, None, None, None, None
+
+        graph_layer.register_autograd(backward, setup_context=setup_context)
