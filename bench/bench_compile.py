@@ -18,7 +18,8 @@ logits, its width before they grew to 3/32 (the op is opaque to the trace: the s
 graph runs, only the loss's tile count differs)), then
 torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
 mode="reduce-overhead", CUDA graphs over the compiled step). Peak memory is the variant's own: its model's parameters plus
-the most its step allocated above what every copy holds at rest. Writes
+the most its step allocated above what every copy holds at rest, plus the whole of its graph
+pool with ``graphs=True``. Writes
 bench_compile-<model>-<mode>-<B>x<S>-<backend>[-cudagraphs]-<device>.{json,csv} into --out
 (``-cudagraphs`` when a variant uses CUDA graphs: ``-ro`` or ``forge-graphs``).
 """
@@ -39,6 +40,7 @@ import torch  # noqa: E402
 import _common as bc  # noqa: E402
 import forge  # noqa: E402
 from bench_patch_bisect import _step_fn  # noqa: E402
+from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, add_step_arguments, build  # noqa: E402
 
 COLUMNS = ["variant", "step_ms", "vs_compile", "speedup", "peak_MiB", "mem_vs_compile", "compile_s",
@@ -180,7 +182,10 @@ def main(argv=None):
                 ts.append((time.perf_counter() - t0) * 1e3)
             per_round.append(statistics.median(ts))
             if cuda:
-                peaks.append(torch.cuda.max_memory_allocated() - rest + _param_bytes(model))
+                # forge's graphs replay in their own pool (all of it this copy's, none of it in
+                # memory_allocated's peak above rest)
+                peaks.append(torch.cuda.max_memory_allocated() - rest + _param_bytes(model)
+                             + graph_pool_bytes(model, whole=True))
 
     ref = runs["compile"][3]
     rows = []
