@@ -180,6 +180,12 @@ def test_under_compile_each_layer_is_one_op(monkeypatch):
     l2 = compiled(ids, labels=labels).loss
     with pytest.raises(RuntimeError, match="another forward ran before this backward"):
         (l1 + l2).backward()
+    # a hooked layer (FSDP2 hooks every layer) is traced as it is, not as the op
+    h = model.model.layers[0].register_forward_pre_hook(lambda *a: None)
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(model)(ids, labels=labels)
+    assert "".join(g.code for g in ex.graphs).count("forge.graph_layer") == model.config.num_hidden_layers - 1
+    h.remove()
     # torch.compile's own CUDA graphs over forge's: refused while inductor traces, in words
     torch._dynamo.reset()
     with pytest.raises(Exception, match="mode='reduce-overhead'"):

@@ -354,6 +354,8 @@ class Graphs:
         run time, as in eager."""
         if self.paused or layer is not self.layers[i] or args or x.device.type not in OP_DEVICES:
             return False
+        if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
+            return False  # (FSDP2 hooks each layer): traced as it is; a submodule's hooks run it uncaptured
         for k in kwargs:
             if k not in _KWARGS:
                 return False
