@@ -33,10 +33,11 @@ as usual).
 A call replays only when replaying is safe and gives what the uncaptured forward would; else it
 runs the forward as patched without graphs (counted in ``stats``, with the reason):
 
-- the pass: no gradient checkpointing, no autocast, CUDA hidden states, ``attention_mask`` None (the causal mask left to SDPA), no KV cache but an empty
-  ``DynamicCache`` without grad (the fused loss asks the decoder for none in training;
-  ``generate()``'s decoding steps are captured whole by ``decode.py`` in mode="infer"), attention ``sdpa`` or
-  ``eager`` (position_ids unused), no other arguments, no hooks on the layers or their modules,
+- the pass: no gradient checkpointing, no autocast, CUDA hidden states, ``attention_mask``
+  None (the causal mask left to SDPA), no KV cache but an empty ``DynamicCache`` without grad
+  (the fused loss asks the decoder for none in training; ``generate()``'s decoding steps are
+  captured whole by ``decode.py`` in mode="infer"), attention ``sdpa`` or ``eager`` (position_ids
+  unused), no other arguments, no hooks on the layers or their modules,
   parameters the same tensors at the same addresses with the same requires_grad as captured;
 - the layers are called in order 0..N-1, each on the previous one's output with the same cos/sin
   (anything else ends the pass's replay, and the rest of the pass runs uncaptured);
