@@ -195,6 +195,20 @@ def test_under_compile_each_layer_is_one_op(monkeypatch):
     assert not [m for m in model.modules() if "forward" in m.__dict__]
 
 
+def test_the_layer_op_passes_opcheck():
+    """torch.library.opcheck on forge::graph_layer (schema, autograd registration, fake, and a
+    traced forward + backward through its backward op), called as a compiled step calls it; on
+    the CPU its calls run the layer uncaptured inside the op."""
+    model = build_model("qwen2", attn_implementation="sdpa")
+    forge.patch(model, kernels=["fused_linear_ce"], graphs=True)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 8, model.config.hidden_size, requires_grad=True)
+    cos, sin = model.model.rotary_emb(x, torch.arange(8)[None].expand(2, 8))
+    params = [p for p in layer.parameters() if p.requires_grad]
+    torch.library.opcheck(torch.ops.forge.graph_layer.default,
+                          (x, cos, sin, params, model._forge_graphs.gid, 0, True, True))
+    forge.unpatch(model)
+
 # ---------------------------------------------------------------------------------------------
 # GPU: replays against the uncaptured kernels
 
