@@ -171,18 +171,26 @@ class _Replay(torch.autograd.Function):
                 "forge graphs: a second backward through a replayed decoder layer (retain_graph=True) "
                 "would read activations the first backward's graphs overwrote; patch with graphs=False")
         tok.done = True
-        lg.g.copy_(g)
-        lg.bwd.replay()
-        # a clone: the next backward replay overwrites lg.g, and autograd may keep this gradient
-        # (a leaf's .grad, retain_grad)
-        gx = lg.g.clone() if lg.x_grad else None
-        grads = [None] * len(lg.params)
-        if lg.nflat:
-            flat = lg.flat[:lg.nflat].clone()
-            views = torch._utils._unflatten_dense_tensors(flat, [p for p, m in zip(lg.params, lg.grad_mask) if m])
-            it = iter(views)
-            grads = [next(it) if m else None for m in lg.grad_mask]
-        return (None, gx, *grads)
+        gx, flat = _replay_backward(lg, g)
+        return (None, gx, *_param_grads(lg, flat))
+
+
+def _replay_backward(lg, g):
+    """Layer ``lg``'s backward graph for the output gradient ``g``: (dx or None, the trainable
+    parameters' gradients flat, in the capture's layout, or None). Clones: the next backward
+    replay overwrites the graph's buffers, and autograd may keep a gradient (a leaf's .grad,
+    retain_grad)."""
+    lg.g.copy_(g)
+    lg.bwd.replay()
+    return (lg.g.clone() if lg.x_grad else None), (lg.flat[:lg.nflat].clone() if lg.nflat else None)
+
+
+def _param_grads(lg, flat):
+    """Per trainable parameter of ``lg``, its gradient (a view of ``flat``) or None (unused)."""
+    if flat is None:
+        return [None] * len(lg.params)
+    it = iter(torch._utils._unflatten_dense_tensors(flat, [p for p, m in zip(lg.params, lg.grad_mask) if m]))
+    return [next(it) if m else None for m in lg.grad_mask]
 
 
 class Stats:
@@ -290,7 +298,7 @@ class Graphs:
     # -- one decoder pass --------------------------------------------------------------------
     def call(self, i, layer, x, args, kwargs):
         """The layer's output from its graph, or None: run the uncaptured forward."""
-        lg = self._enter(i, layer, x, args, kwargs, torch.is_grad_enabled(), x.requires_grad, False)
+        lg = self._enter(i, layer, x, args, kwargs)
         if lg is None:
             return None
         if lg.grad:
@@ -305,15 +313,17 @@ class Graphs:
         self._advance(i, out)
         return out
 
-    def _enter(self, i, layer, x, args, kwargs, grad, x_grad, op):
+    def _enter(self, i, layer, x, args, kwargs, op=None):
         """Layer ``i``'s captured graphs for this call (a ``_Layer``), or None: run uncaptured.
-        ``op``: called from the traced op (:func:`traced_layer`), where the hidden states are
-        copied into the graph's input, and so are cos / sin unless they are the tensor the
-        pass began with (the same address, held here)."""
+        ``op``: (grad, x_grad) when called from the traced op (:func:`traced_layer`), where grad
+        mode is the trace's, the hidden states are copied into the graph's input, and so are
+        cos / sin unless they are the tensor the pass began with (the same address, held here);
+        None in an eager call (both read off the call)."""
         if self.paused or layer is not self.layers[i]:
             return None  # a decoding step captured whole, or a deep copy of the model
         if i == 0:
             self.cur = None
+            grad, x_grad = op if op is not None else (torch.is_grad_enabled(), x.requires_grad)
             why = self._begin(layer, x, args, kwargs, grad, x_grad)
             if why is not None:
                 self.stats.uncaptured += 1
@@ -324,7 +334,7 @@ class Graphs:
             return None
         pe = kwargs.get("position_embeddings")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if op:
+        if op is not None:
             broken = self.nxt != i
             if not broken and (pe[0].data_ptr() != self.pcos.data_ptr() or pe[1].data_ptr() != self.psin.data_ptr()):
                 # inductor may hand each op call its own copy of cos / sin: take this call's
@@ -351,28 +361,15 @@ class Graphs:
     # -- the same, as ops inside a compiled trace (traced_layer) ------------------------------
     def traceable(self, i, layer, x, args, kwargs) -> bool:
         """Whether a layer call inside a torch.compile trace becomes the op: what the trace
-        can know (the call's arguments, the model's settings); the rest is decided per call at
-        run time, as in eager."""
-        if self.paused or layer is not self.layers[i] or args or x.device.type not in OP_DEVICES:
+        can know (the call's arguments, the model's settings: :meth:`_unfit`, with no KV cache
+        at all); the rest is decided per call at run time, as in eager."""
+        if self.paused or layer is not self.layers[i] or x.device.type not in OP_DEVICES:
             return False
         if layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks:
             return False  # (FSDP2 hooks each layer): traced as it is; a submodule's hooks run it uncaptured
-        for k in kwargs:
-            if k not in _KWARGS:
-                return False
-        if (kwargs.get("attention_mask") is not None or kwargs.get("cache") is not None
-                or kwargs.get("past_key_values") is not None):
-            return False
-        pe = kwargs.get("position_embeddings")
-        if type(pe) is not tuple or len(pe) != 2 or not all(isinstance(t, torch.Tensor) for t in pe):
-            return False
-        if torch.is_grad_enabled() and layer.training and getattr(layer, "gradient_checkpointing", False):
-            return False
-        if _any_autocast():
-            return False
         if len({p.dtype for p in layer.parameters() if p.requires_grad}) > 1:
             return False  # (the backward hands the gradients back in one flat buffer)
-        return getattr(self.root.config, "_attn_implementation", None) in ATTN_OK
+        return self._unfit(layer, args, kwargs, torch.is_grad_enabled(), traced=True) is None
 
     def op_forward(self, i, x, cos, sin, grad, x_grad):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -384,7 +381,7 @@ class Graphs:
         if i == 0:
             self.op_pending.clear()  # a pass whose backward never ran (its backward op now raises)
         with _autograd_on(), torch.set_grad_enabled(grad):
-            lg = self._enter(i, layer, x, (), kwargs, grad, x_grad, True)
+            lg = self._enter(i, layer, x, (), kwargs, (grad, x_grad))
             if lg is None:
                 xi = x.detach().requires_grad_(x_grad)
                 out = self.forwards[i](layer, xi, **kwargs)
@@ -424,17 +421,9 @@ class Graphs:
         else:
             e[1].done = True
             ps = lg.params
-            g_in = lg.g
-            g_in.copy_(g)
-            if lg.x_grad or lg.nflat:
-                lg.bwd.replay()
-            gx = g_in.clone() if lg.x_grad else None
-            if lg.nflat and all(lg.grad_mask):  # the capture's flat buffer is already in order
-                flat = lg.flat[:lg.nflat].clone()
-            else:
-                views = iter(torch._utils._unflatten_dense_tensors(
-                    lg.flat[:lg.nflat], [p for p, m in zip(ps, lg.grad_mask) if m]) if lg.nflat else [])
-                gs = [next(views) if m else None for m in lg.grad_mask]
+            gx, flat = _replay_backward(lg, g) if (lg.x_grad or lg.nflat) else (None, None)
+            if flat is None or not all(lg.grad_mask):  # (else already the op's layout)
+                gs, flat = _param_grads(lg, flat), None
         if len(ps) != len(params):
             raise RuntimeError(f"forge graphs: decoder layer {i} has {len(ps)} trainable parameters, the compiled "
                                f"trace {len(params)}: compile the model again")
@@ -446,29 +435,38 @@ class Graphs:
     def _end(self):
         self.cur, self.last_out, self.pcos, self.psin, self.pcache = None, None, None, None, None
 
-    def _begin(self, layer, x, args, kwargs, grad, x_grad):
-        if args or kwargs.keys() - _KWARGS:
+    def _unfit(self, layer, args, kwargs, grad, traced=False):
+        """Why a pass with these arguments and settings cannot replay, or None: the checks an
+        eager pass's start and a trace (``traced``: no KV cache at all) share."""
+        if args or any(k not in _KWARGS for k in kwargs):
             return "arguments other than HF's decoder loop's"
         if kwargs.get("attention_mask") is not None:
             return "attention mask"
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is not None and (grad or type(cache) is not self._dynamic_cache or cache.get_seq_length() != 0):
+        if cache is not None and (traced or grad or type(cache) is not self._dynamic_cache
+                                  or cache.get_seq_length() != 0):
             return "KV cache (not an empty DynamicCache in a forward without grad)"
         pe = kwargs.get("position_embeddings")
         if type(pe) is not tuple or len(pe) != 2 or not all(isinstance(t, torch.Tensor) for t in pe):
             return "no position_embeddings (cos, sin)"
-        if not isinstance(x, torch.Tensor) or type(x) not in (torch.Tensor, nn.Parameter) or not x.is_cuda:
-            return "hidden states not a CUDA tensor"
         if grad and layer.training and getattr(layer, "gradient_checkpointing", False):
             return "gradient checkpointing"
         if _any_autocast():
             return "autocast"
-        if torch.compiler.is_compiling():
-            return "torch.compile"
         if getattr(self.root.config, "_attn_implementation", None) not in ATTN_OK:
             return f"attention implementation not in {ATTN_OK}"
+        return None
+
+    def _begin(self, layer, x, args, kwargs, grad, x_grad):
+        why = self._unfit(layer, args, kwargs, grad)
+        if why is not None:
+            return why
+        if not isinstance(x, torch.Tensor) or type(x) not in (torch.Tensor, nn.Parameter) or not x.is_cuda:
+            return "hidden states not a CUDA tensor"
         if self._hooked():
             return "module hooks"
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        pe = kwargs.get("position_embeddings")
         kind = (grad, cache is not None)
         if kind in self.failed:
             return self.failed[kind]
