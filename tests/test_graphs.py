@@ -195,6 +195,53 @@ def test_under_compile_each_layer_is_one_op(monkeypatch):
     assert not [m for m in model.modules() if "forward" in m.__dict__]
 
 
+def _peft_lora(model, dropout):
+    """``model`` under peft LoRA adapters on every projection, B drawn (peft starts it at zero)
+    so the adapters' gradients show."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, bias="none",
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02)
+    return model
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_under_compile_lora_layers_are_ops(monkeypatch, dropout):
+    """A peft LoRA model with graphs=True under torch.compile: each layer one op whose
+    trainable parameters are the adapters (the frozen weights are read inside it); on the CPU
+    the compiled step equals the eager patched step bit for bit, dropout masks included (drawn
+    inside the op from the same seed)."""
+    pytest.importorskip("peft", reason="peft is not installed")
+    monkeypatch.setattr(graphs_mod, "OP_DEVICES", ("cuda", "cpu"))
+    model = _peft_lora(build_model("qwen2", attn_implementation="sdpa"), dropout)
+    plain = copy.deepcopy(model)
+    keys = ["fused_linear_ce", "lora_qkv", "lora_mlp"]
+    # one backend for both: graphs=True takes Triton for the layer kernels where "auto" would
+    # give a CPU model Pallas, and the two round differently
+    forge.patch(plain, kernels=keys, backend="triton")
+    forge.patch(model, kernels=keys, backend="triton", graphs=True)
+    assert model._forge_patched_counts.get("lora_qkv") == model.config.num_hidden_layers
+    ids, labels = _ids(model, 2, 8, "cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(2):
+        torch.manual_seed(step)
+        got = _compiled_step(compiled, model, ids, labels)
+        torch.manual_seed(step)
+        _same(got, _step(plain, ids, labels), f"compiled lora step {step}")
+        assert all("lora_" in n for n in got[1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    why = model._forge_graphs.stats.why
+    assert why.get("hidden states not a CUDA tensor", 0) >= 2, why
+    torch._dynamo.reset()
+    forge.unpatch(model)
+
+
 def test_the_layer_op_passes_opcheck():
     """torch.library.opcheck on forge::graph_layer (schema, autograd registration, fake, and a
     traced forward + backward through its backward op), called as a compiled step calls it; on
@@ -352,6 +399,35 @@ def test_compiled_replay_meets_the_oracle(model_type, recompute_mlp, backend):
 
 
 @pytest.mark.gpu
+def test_compiled_lora_replay_meets_the_oracle():
+    """A peft LoRA model, graphs=True, then torch.compile with inductor: the layers replay from
+    inside the compiled step; the loss and the adapters' gradients against an fp32 copy of the
+    unpatched model, with the unpatched bf16 model as the eager baseline."""
+    pytest.importorskip("peft", reason="peft is not installed")
+    from forge.spec import tolerance
+
+    model = _peft_lora(_gpu_model("qwen2"), 0.0)
+    ids, labels = _ids(model, 2, 256, "cuda")
+    ref = _step(copy.deepcopy(model).float(), ids, labels)
+    eager = _step(model, ids, labels)
+    forge.patch(model, backend="triton", graphs=True, min_elements=0)
+    assert model._forge_patched_counts.get("lora_qkv") == 3
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    for _ in range(4):  # uncaptured, captured, replayed twice
+        got = _compiled_step(compiled, model, ids, labels)
+    st = model._forge_graphs.stats
+    assert st.captures == 1 and st.replayed == 3 and st.why == {"first call of this shape": 1}, st
+    assert ref[1].keys() == got[1].keys() and all("lora_" in n for n in got[1])
+    c = model.config
+    k = max(c.vocab_size, c.intermediate_size, c.hidden_size, ids.numel())
+    tolerance.assert_close("loss", got[0], ref[0], eager[0], torch.bfloat16, k)
+    for n in ref[1]:
+        tolerance.assert_close(f"grad {n}", got[1][n], ref[1][n], eager[1][n], torch.bfloat16, k)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
 def test_retain_graph_second_backward_raises():
     _plain, graphed = _twins("qwen2")
     ids, labels = _ids(graphed, 2, 64, "cuda")
@@ -422,15 +498,8 @@ def test_peft_lora_replay_matches_uncaptured(dropout, math_sdpa):
     """LoRA adapters (forge's lora_qkv / lora_mlp inside the captured layers): only the adapters
     train, the frozen base weights are read by the graphs. With lora_dropout the masks are drawn
     inside the graphs: seeded alike, a replay draws the uncaptured step's masks (fresh each step)."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, bias="none",
-                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    plain = get_peft_model(_gpu_model("qwen2"), cfg)
-    with torch.no_grad():  # B starts at zero in peft: give the adapters a gradient path that shows
-        for n, p in plain.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.02)
+    pytest.importorskip("peft", reason="peft is not installed")
+    plain = _peft_lora(_gpu_model("qwen2"), dropout)
     graphed = copy.deepcopy(plain)
     forge.patch(plain, backend="triton", min_elements=0)
     forge.patch(graphed, backend="triton", min_elements=0, graphs=True)
