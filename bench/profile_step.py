@@ -13,7 +13,8 @@ host-bound, and only less host work per call makes it faster.
 With ``--compile`` each variant's model (eager: unpatched; otherwise patched first) runs under
 ``torch.compile`` (default mode), compiled before it is timed; the table gives the compile time.
 
-Writes profile_step-<model>-<mode>-<B>x<S>-<backend>-<device>.{json,csv} into --out.
+Writes profile_step-<model>-<mode>-<B>x<S>-<backend>[-compile][-cudagraphs]-<device>.{json,csv} into
+--out (``-cudagraphs`` when a variant has ``~graphs``).
 """
 from __future__ import annotations
 
@@ -189,7 +190,8 @@ def main(argv=None):
     add_step_arguments(p)
     p.add_argument("--variants", default="eager,all",
                    help="eager, all, or kernel keys; with --compile a variant may end in @<compile_kernels> "
-                        "(all@all: every kernel forge's op in the trace; all@rmsnorm+rope)")
+                        "(all@all: every kernel forge's op in the trace; all@rmsnorm+rope); a patched "
+                        "variant may add ~graphs (graphs=True) and ~recompute (recompute_mlp=True): all~graphs")
     p.add_argument("--backend", default="triton")
     p.add_argument("--min-elements", type=int, default=None)
     p.add_argument("--steps", type=int, default=8)
@@ -209,9 +211,14 @@ def main(argv=None):
     ids = torch.randint(0, vocab, (b, s), device=dev)
     rows = []
     for v in a.variants.split(","):
-        which, _, ck = v.partition("@")
+        which, *opts = v.split("~")
+        which, _, ck = which.partition("@")
         if which != "eager":
             kw = {} if which == "all" else {"kernels": [which]}
+            for o in opts:
+                if o not in ("graphs", "recompute"):
+                    raise SystemExit(f"unknown variant option ~{o} in {v!r}")
+                kw["graphs" if o == "graphs" else "recompute_mlp"] = True
             if ck:
                 kw["compile_kernels"] = ck if ck in ("all", "auto") else ck.split("+")
             forge.patch(model, mode=a.mode, backend=a.backend, min_elements=a.min_elements, **kw)
@@ -231,6 +238,11 @@ def main(argv=None):
             row.update(_memory(step, a.top))
         if which != "eager":
             row["guard"] = model._forge_guard_stats.as_dict()
+            if dev == "cuda" and "graphs" in opts:  # replays allocate nothing: the pool holds the activations
+                from forge.patching.graphs import graph_pool_bytes
+
+                row["graph_pool_MiB"] = round(graph_pool_bytes(model, whole=True) / 2**20, 1)
+                row["graphs"] = repr(model._forge_graphs.stats)
             forge.unpatch(model)
         rows.append(row)
         print(f"== {row['variant']}: {ms:.1f} ms/step wall, device busy {row['device_busy_ms']:.1f} ms, "
@@ -243,6 +255,8 @@ def main(argv=None):
                   "waiting for the host; by the ops that launched the work after each gap (ms, gaps):")
             for k, ms, n in row["idle_by_launcher"]:
                 print(f"     {ms:8.3f} ms {n:5d} x {k[:160]}")
+        if "graph_pool_MiB" in row:
+            print(f"   graph pool {row['graph_pool_MiB']} MiB; {row['graphs']}")
         if "mem_step_peak_MiB" in row:
             print(f"   memory: {row['mem_base_MiB']} MiB before the step, its peak {row['mem_step_peak_MiB']} MiB above;"
                   " alive at the peak, by block size (MiB, count, MiB):", row["mem_at_peak_by_size"])
@@ -251,7 +265,8 @@ def main(argv=None):
     cols = ["variant", "ms", "device_busy_ms", "host_self_ms"] + (["compile_s"] if a.compile else [])
     bc.print_table([{k: r[k] for k in cols} for r in rows], cols)
     bc.write_results(a.out, "profile_step", rows, {"args": vars(a)},
-                     case=f"{name}-{a.mode}-{b}x{s}-{a.backend}{'-compile' if a.compile else ''}")
+                     case=f"{name}-{a.mode}-{b}x{s}-{a.backend}{'-compile' if a.compile else ''}"
+                          f"{'-cudagraphs' if '~graphs' in a.variants else ''}")
 
 
 if __name__ == "__main__":
