@@ -62,7 +62,10 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         BackendUnavailableError at patch time.
     min_elements: calls of rmsnorm/swiglu/geglu/rope with fewer activation elements run the
         original forward; None = MIN_FUSED_ELEMENTS[backend], 0 = always fused, or a dict per key.
-    kernels: restrict to these keys (default: all).
+    kernels: restrict to these keys (default: all): the kernels above and "qkv", the q, k and v
+        projections of each attention module as one product over their weights concatenated
+        (torch's matmul, no backend), in training inside the layers graphs=True captures
+        (forge.patching.qkv, docs/patching.md).
     graphs: capture each decoder layer's forward (and, with grad on, its backward) in CUDA graphs
         at an input shape's second call, and replay them (Triton kernels; see
         forge.patching.graphs for when a call replays and what the graphs hold). Off by default:

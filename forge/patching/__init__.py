@@ -6,7 +6,9 @@ forwards forge installs); ``patcher`` the Patcher a patch pass records into (and
 ``report`` forge.report and the "forge" logger's messages; ``copying`` how a patched model is
 deep-copied and pickled (the copy comes back patched, on its own statistics); ``graphs`` the
 CUDA graphs around the decoder layers; ``decode`` and ``decode_runtime`` captured decoding for
-generate() (when and which cache; the capture and replay).
+generate() (when and which cache; the capture and replay); ``lora`` the peft LoRA kernels' forwards;
+``qkv`` the q/k/v projections as one product of torch's (no kernel; its slots hand k and v on,
+for ``lora`` too).
 
 Layer: the top one. It may import everything below (``forge.ops``, which hands out the kernels
 in their spec signatures, ``forge.spec``, ``forge.errors``, ``forge._runtime``) but reaches a

@@ -20,8 +20,9 @@ gemma2's ``final_logit_softcapping`` honoured). Every other call (no labels, ``m
 ``logits_to_keep``, ``generate()``) runs the original forward: an evaluation loop gets its logits.
 
 Order: LoRA first (``forge.patching.lora.apply(model, patcher)``), then the generic walker
-(rmsnorm, swiglu/geglu, rope), which leaves alone every module that already has an instance-level
-forward (taken by LoRA, or by someone else such as accelerate's hooks), then the fused loss, then
+(rmsnorm, swiglu/geglu, rope, and the q/k/v projections as one product: ``qkv.py``), which
+leaves alone every module that already has an instance-level forward (taken by LoRA, or by
+someone else such as accelerate's hooks), then the fused loss, then
 (``graphs=True``, ``graphs.py``) each decoder layer's forward wrapped in its graph replay, which
 falls back per call to the layer's own forward with forge's kernels inside.
 """
@@ -44,9 +45,13 @@ from . import decode as _decode
 from . import copying
 from . import forwards as fw
 from . import graphs as _graphs
+from . import qkv as _qkv
 from . import report as _report
 from .guard import GuardStats
 from .patcher import DEFERRED_UNDER_COMPILE, LAYER_KEYS, TRAIN_ONLY, Patcher, restore
+
+# what forge.patch(kernels=) takes: the kernels, and the fusions of torch's own operations
+PATCH_KEYS = KERNELS + (_qkv.KEY,)
 
 MODES = ("train", "infer")
 LORA_KEYS = ("lora_qkv", "lora_mlp")
@@ -74,12 +79,12 @@ def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be True or False, got {v!r}")
     if kernels is None:
-        requested, explicit = KERNELS, False
+        requested, explicit = PATCH_KEYS, False
     else:
         requested = (kernels,) if isinstance(kernels, str) else tuple(kernels)
-        bad = [k for k in requested if k not in KERNELS]
+        bad = [k for k in requested if k not in PATCH_KEYS]
         if bad:
-            raise ValueError(f"kernels: unknown kernel key(s) {bad}; known: {KERNELS}")
+            raise ValueError(f"kernels: unknown kernel key(s) {bad}; known: {PATCH_KEYS}")
         explicit = True
     choices = ("auto",) + ops.BACKENDS
     if isinstance(backend, str):
@@ -191,7 +196,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     mode, backend_req, min_req, requested, graphs, recompute_mlp, compile_kernels, explicit = args
     p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp, graphs, compile_kernels)
     # an explicitly named backend that cannot run here, or not on this model, is an error
-    for b in sorted({backend_req[k] for k in requested} - {"auto"}):
+    for b in sorted({backend_req[k] for k in requested if k in backend_req} - {"auto"}):
         ops.require(b)
         ok, why = ops.fits(b, p.device_types, p.float64)
         if not ok:
@@ -282,6 +287,7 @@ def _walk(root, arch, p):
     _apply_rmsnorm(p, arch, norms)
     _apply_glu(p, arch, mlps, lora_mlps)
     _apply_rope(p, arch, attns)
+    _qkv.apply(p, attns)
 
 
 def _ready(p, key, found, what):

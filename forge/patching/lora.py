@@ -19,9 +19,10 @@ call drops exactly what peft would. Otherwise no mask: the call is the one witho
   gelu_pytorch_tanh -> geglu). Count: one per MLP.
 - ``lora_qkv``: HF attention forwards call q_proj, k_proj and v_proj one after another on the same
   hidden_states. q_proj's forward computes q, k and v in one fused call and leaves k and v in a
-  one-shot slot keyed by the input tensor's identity and version; k_proj's and v_proj's forwards
-  take them from the slot, or run peft's own forward when the slot does not match (another input,
-  another order, a changed input). No per-model code. Count: one per attention module.
+  one-shot slot keyed by the input tensor's identity and version (forge.patching.qkv's slots,
+  which its q/k/v fusion uses too); k_proj's and v_proj's forwards take them from the slot, or
+  run peft's own forward when the slot does not match (another input, another order, a changed
+  input). No per-model code. Count: one per attention module.
 
 Everything is looked up at call time: weights (FSDP2 swaps them), the active adapter, its
 scaling, dropout, merge and disable state. A call whose state does not fit (adapters disabled or
@@ -48,6 +49,7 @@ from ..spec import lora_mlp as _mlp_spec
 from ..spec import lora_qkv as _qkv_spec
 from . import arch as _arch
 from .forwards import _compiling
+from .qkv import own_forward, slot_forwards
 
 QKV = ("q_proj", "k_proj", "v_proj")
 _QKV_NAMES = _qkv_spec.TENSORS[:13]  # x, then w, bias, a, b per projection (the masks are keywords)
@@ -219,47 +221,23 @@ def _mlp_forward(kernel, act, lora_linear, ks):
 
 # ------------------------------------------------------------------------------------ qkv
 def _qkv_forwards(kernel, lora_linear, ks):
-    """(q_proj forward, k/v_proj forward factory), each bound to the attention module."""
-    slots: dict[int, list] = {}  # id(attention module) -> [x, x._version, grad mode, k, v]
+    """(q_proj forward, k_proj forward, v_proj forward), each bound to the attention module:
+    q, k and v from one fused call, handed on through forge.patching.qkv's slots."""
+    def compute(attn, x, args, kwargs):
+        ps = [fused_params(attn._modules[n], lora_linear, True) for n in QKV]
+        if None in ps:
+            return None
+        cd = _compute_dtype(x, args, kwargs, ps[0][0])
+        if cd is None or not ps[0][2].dtype == ps[1][2].dtype == ps[2][2].dtype:
+            return None
+        ts = [x] + [t for w, bias, a, b, _, _ in ps for t in (w, bias, a, b)]
+        if torch.is_autocast_enabled(x.device.type):
+            ts = _cast(cd, *ts)
+        drop = _masks(x, "qkv", ps, (x.shape[-1],) * 3)
+        # every tensor bound to its spec name (forge.spec.lora_qkv.TENSORS)
+        return kernel(**dict(zip(_QKV_NAMES, ts)), scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4], **drop)
 
-    def q_forward(attn, x, *args, **kwargs):
-        layers = [attn._modules[n] for n in QKV]
-        ps = [fused_params(m, lora_linear, True) for m in layers]
-        if None not in ps:
-            cd = _compute_dtype(x, args, kwargs, ps[0][0])
-            if cd is not None and ps[0][2].dtype == ps[1][2].dtype == ps[2][2].dtype:
-                ts = [x] + [t for w, bias, a, b, _, _ in ps for t in (w, bias, a, b)]
-                if torch.is_autocast_enabled(x.device.type):
-                    ts = _cast(cd, *ts)
-                drop = _masks(x, "qkv", ps, (x.shape[-1],) * 3)
-                # every tensor bound to its spec name (forge.spec.lora_qkv.TENSORS)
-                q, k, v = kernel(**dict(zip(_QKV_NAMES, ts)), scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4],
-                                 **drop)
-                slots[id(attn)] = [x, x._version, torch.is_grad_enabled(), k, v]
-                if not _compiling():
-                    ks.fused += 1
-                return q
-        slots.pop(id(attn), None)
-        if not _compiling():
-            ks.fallback += 1
-        q_l = layers[0]
-        return type(q_l).forward(q_l, x, *args, **kwargs)
-
-    def taker(idx, name):
-        def forward(attn, x, *args, **kwargs):
-            s = slots.get(id(attn))
-            if (s is not None and s[idx] is not None and s[0] is x and s[1] == x._version
-                    and s[2] == torch.is_grad_enabled() and not args and not kwargs):
-                out, s[idx] = s[idx], None
-                if s[3] is None and s[4] is None:
-                    del slots[id(attn)]  # both taken: drop the reference to x
-                return out
-            m = attn._modules[name]
-            return type(m).forward(m, x, *args, **kwargs)
-
-        return forward
-
-    return q_forward, taker(3, "k_proj"), taker(4, "v_proj")
+    return slot_forwards(compute, ks, own_forward)
 
 
 def _replace_uncounted(p, module, key, fwd):

@@ -119,6 +119,11 @@ class Patcher:
         """forge.patch(min_elements=...) set the threshold of ``key`` (else a default)."""
         return isinstance(self._min_req, int) or (isinstance(self._min_req, dict) and key in self._min_req)
 
+    @property
+    def graphs(self) -> bool:
+        """forge.patch(graphs=True)."""
+        return self._graphs
+
     def replace_forward(self, module, key: str, new_forward, count: bool = True) -> None:
         """(``count=False``: not a kernel, kept out of ``_forge_patched_counts``.)"""
         counted = key if count else None

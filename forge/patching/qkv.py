@@ -1,0 +1,175 @@
+"""q, k and v in one matrix product: ``forge.patch`` key ``"qkv"`` (in the default set), and the
+one-shot slots through which a fused q_proj call hands k and v to k_proj and v_proj (shared with
+the ``lora_qkv`` patch, forge.patching.lora).
+
+transformers' attention forwards call ``q_proj``, ``k_proj`` and ``v_proj`` (three ``nn.Linear``)
+one after another on the same hidden states. With grouped-query attention the key and value
+products are narrow (128 columns at Qwen2.5-0.5B), too narrow for cuBLAS to fill the GPU. One
+product over the three weights concatenated (and their biases) does the three's work, forward
+and backward, in about 60% of their device time at Qwen2.5-0.5B's widths (bench/diag_qkv.py on
+the H200: 76.6 against 124 us per layer at 4096 rows, 218 against 321 at 16384), and autograd
+then runs one product for the input's gradient and one for the weights' where it ran three of
+each (and the two additions of the input's gradient).
+
+How: q_proj's forward makes q, k and v in one call and leaves k and v in a slot keyed by the
+attention module, holding the input tensor, its version and the grad mode; k_proj's and
+v_proj's forwards take them when called on that same input, else run ``nn.Linear``'s own
+forward (another input, another order, a changed input). q and k are views of the product (the
+RoPE that follows writes new tensors); v is made contiguous, so attention gets the layout it
+gets unpatched. No per-model code. Count: one per attention module.
+
+When: in training with ``graphs=True``, in the calls forge's CUDA graphs capture (so in every
+replay); the model's uncaptured calls run the three products. In an eager step the one
+product's extra host work (the concatenations, the split, the slots) outweighed the device time
+it saves, and in inference most of the saving (the backward's) is not there, so the key is
+skipped there (quietly, unless named in ``kernels=``). Measured on the H200 at Qwen2.5-0.5B
+train 4x1024 (bench_compile.py, ten paired rounds): ``graphs=True`` then compile 36.4 ms
+against 37.5 without the fusion, with ``recompute_mlp`` 39.5 against 40.6; eager, with the
+fusion in every call, 59.8 against 57.5 ms, within that host-bound step's round-to-round
+spread (45-81 ms) but not ahead.
+
+What is fused: an attention module whose q_proj, k_proj and v_proj are plain ``nn.Linear`` of
+one dtype and device, with biases on all three or on none, whose weights take at most
+``MAX_WEIGHT_BYTES`` together. The concatenation copies the weights on every call and autograd
+keeps the copy for the backward (2 MiB per layer at Qwen2.5-0.5B); it pays less as the products
+widen (bench/diag_qkv.py, forward + backward at 4096 rows: 142 against 194 us at hidden 1536
+with 256-wide keys and values, 249 against 290 at 2048 / 512, 588 against 639 at 3584 / 512,
+where the weights are 31.5 MiB). A call runs the three products instead while torch.compile
+traces (inductor schedules them; under ``graphs=True`` the layers run as ops and replay fused),
+when a weight is not a plain tensor (an FSDP2 shard, which graphs decline anyway), with extra
+arguments, or when a projection was replaced.
+
+Numerics: each output element is the same dot product of the same operands as unpatched, but
+cuBLAS may pick another kernel for the wider product, so the last bits may differ.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .forwards import _compiling
+from .guard import CAPTURE
+
+KEY = "qkv"  # (report.QKV_KEY)
+QKV = ("q_proj", "k_proj", "v_proj")
+MAX_WEIGHT_BYTES = 8 << 20  # q, k and v weights of one layer together (Qwen2.5-0.5B: 2 MiB)
+
+
+def slot_forwards(compute, ks, fallback):
+    """(q_proj forward, k_proj forward, v_proj forward), each to be bound to the attention
+    module. ``compute(attn, x, args, kwargs)`` returns (q, k, v) or None; with None, and for k or
+    v without a matching slot, ``fallback(module, x, *args, **kwargs)`` runs the projection.
+    ``ks``: the guard counter (fused / fallback calls of q_proj, counted outside traces)."""
+    slots: dict[int, list] = {}  # id(attention module) -> [x, x._version, grad mode, k, v]
+
+    def q_forward(attn, x, *args, **kwargs):
+        out = compute(attn, x, args, kwargs)
+        if out is not None:
+            q, k, v = out
+            slots[id(attn)] = [x, x._version, torch.is_grad_enabled(), k, v]
+            if not _compiling():
+                ks.fused += 1
+            return q
+        slots.pop(id(attn), None)
+        if not _compiling():
+            ks.fallback += 1
+        return fallback(attn._modules["q_proj"], x, *args, **kwargs)
+
+    def taker(idx, name):
+        def forward(attn, x, *args, **kwargs):
+            s = slots.get(id(attn))
+            if (s is not None and s[idx] is not None and s[0] is x and s[1] == x._version
+                    and s[2] == torch.is_grad_enabled() and not args and not kwargs):
+                out, s[idx] = s[idx], None
+                if s[3] is None and s[4] is None:
+                    del slots[id(attn)]  # both taken: drop the reference to x
+                return out
+            return fallback(attn._modules[name], x, *args, **kwargs)
+
+        return forward
+
+    return q_forward, taker(3, "k_proj"), taker(4, "v_proj")
+
+
+def misfit(attn) -> str | None:
+    """Why the projections of ``attn`` cannot run as one product (None when they can)."""
+    mods = [attn._modules.get(n) for n in QKV]
+    if any(type(m) is not nn.Linear for m in mods):
+        return "q_proj, k_proj and v_proj are not all plain nn.Linear"
+    ws = [m.weight for m in mods]
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+        return "the three weights differ in dtype, device or input width"
+    bs = [m.bias for m in mods]
+    if any(b is None for b in bs) and any(b is not None for b in bs):
+        return "a bias on some of the projections only"
+    if bs[0] is not None and len({b.dtype for b in bs} | {ws[0].dtype}) != 1:
+        return "biases of another dtype than the weights"
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    if nbytes > MAX_WEIGHT_BYTES:
+        return (f"q/k/v weights of {nbytes / 2**20:.1f} MiB per layer, over MAX_WEIGHT_BYTES "
+                f"({MAX_WEIGHT_BYTES >> 20} MiB): at this width the three products fill the GPU")
+    return None
+
+
+def own_forward(m, x, *args, **kwargs):
+    """The projection's own forward (its class's), as if forge had not replaced it."""
+    return type(m).forward(m, x, *args, **kwargs)
+
+
+def _fused(attn, x, args, kwargs):
+    """(q, k, v) from one product while forge captures a layer's graphs, else None: run the
+    three (see the module doc)."""
+    if not CAPTURE.on or args or kwargs or _compiling():
+        return None
+    mods = attn._modules
+    ws, bs = [], []
+    for n in QKV:
+        m = mods[n]
+        if type(m) is not nn.Linear:
+            return None
+        p = m._parameters
+        w = p["weight"]
+        if type(w) is not nn.Parameter and type(w) is not torch.Tensor:
+            return None  # a DTensor (FSDP2 shard) or a quantized weight
+        ws.append(w)
+        bs.append(p["bias"])
+    if (bs[0] is None) != (bs[1] is None) or (bs[0] is None) != (bs[2] is None):
+        return None
+    widths = [w.shape[0] for w in ws]
+    y = F.linear(x, torch.cat(ws), None if bs[0] is None else torch.cat(bs))
+    q, k, v = y.split(widths, dim=-1)
+    return q, k, v.contiguous()
+
+
+def apply(p, attns) -> None:
+    """Fuse the projections of the attention modules ``attns`` (Patcher ``p``)."""
+    if not p.wants(KEY) or not attns:
+        return
+    if p.mode == "infer":
+        p.skip(KEY, "mode='infer': most of what the one product saves is in the backward", applies=False)
+        return
+    if not p.graphs:
+        p.skip(KEY, "fuses inside forge's CUDA graphs only (graphs=True): in an eager step its host time "
+                    "outweighed the device time it saves", applies=False)
+        return
+    free = [a for a in attns if not any(p.is_replaced(a._modules.get(n)) or "forward" in
+                                        getattr(a._modules.get(n), "__dict__", {}) for n in QKV)]
+    if not free:
+        p.skip(KEY, "every attention module's projections are taken (lora_qkv) or replaced by another library",
+               applies=False)
+        return
+    why = [w for a in free if (w := misfit(a))]
+    fit = [a for a in free if misfit(a) is None]
+    if not fit:  # (a fusion, not a kernel: a decline only warns when "qkv" was asked for by name)
+        p.skip(KEY, why[0] if why else "no attention module fits", applies=False)
+        return
+    q_fwd, k_fwd, v_fwd = slot_forwards(_fused, p.stats.counter(KEY), own_forward)
+    for attn in fit:
+        p.replace_forward(attn.q_proj, KEY, types.MethodType(q_fwd, attn))
+        p.replace_forward(attn.k_proj, KEY, types.MethodType(k_fwd, attn), count=False)
+        p.replace_forward(attn.v_proj, KEY, types.MethodType(v_fwd, attn), count=False)
+    if why:
+        p.skip(KEY, f"{len(why)} of {len(free)} attention modules run three products: {why[0]}", applies=False)
