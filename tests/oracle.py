@@ -79,3 +79,13 @@ def check_op(kernel_fn, ref_fn, tensors: dict, *, diff=(), kwargs=None, reductio
         assert k.shape == r.shape and k.dtype == e.dtype, f"grad {name}: {k.shape}/{k.dtype} vs {r.shape}/{e.dtype}"
         errs["d" + name] = tolerance.assert_close("grad " + name, k, r, e, e.dtype, reductions.get(name, 1))
     return errs
+
+
+def assert_step_close(got, ref, eager, config, tokens, dtype=torch.bfloat16):
+    """A whole model's step, ``(loss, {name: gradient})``, against an fp32 copy's (``ref``),
+    bounded by the unpatched model's own error (``eager``): the oracle's rule, with the reduction
+    length the widest of the model's vocabulary, intermediate and hidden sizes and the tokens."""
+    k = max(config.vocab_size, config.intermediate_size, config.hidden_size, tokens)
+    tolerance.assert_close("loss", got[0], ref[0], eager[0], dtype, k)
+    for n in ref[1]:
+        tolerance.assert_close(f"grad {n}", got[1][n], ref[1][n], eager[1][n], dtype, k)

@@ -20,9 +20,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import forge  # noqa: E402
+from oracle import assert_step_close  # noqa: E402
 from forge import ops  # noqa: E402
 from forge.__main__ import build_model  # noqa: E402
 from forge.patching import graphs as graphs_mod  # noqa: E402
+from forge.patching.core import PATCH_KEYS  # noqa: E402
 
 
 def _ids(model, b, s, device, seed=0):
@@ -268,11 +270,13 @@ def _gpu_model(model_type, layers=3, dtype=torch.bfloat16):
 
 
 def _twins(model_type, recompute_mlp=False, backend="triton", **kw):
-    """Two identical models: one patched without graphs, one with."""
+    """Two identical models: one patched without graphs, one with (both without the q/k/v
+    fusion, which only captured calls run: tests/test_qkv.py checks it against the oracle)."""
     a = _gpu_model(model_type, **kw)
     b = copy.deepcopy(a)
-    forge.patch(a, backend=backend, min_elements=0, recompute_mlp=recompute_mlp)
-    forge.patch(b, backend=backend, min_elements=0, recompute_mlp=recompute_mlp, graphs=True)
+    keys = [k for k in PATCH_KEYS if k != "qkv"]
+    forge.patch(a, backend=backend, min_elements=0, recompute_mlp=recompute_mlp, kernels=keys)
+    forge.patch(b, backend=backend, min_elements=0, recompute_mlp=recompute_mlp, kernels=keys, graphs=True)
     return a, b
 
 
@@ -346,8 +350,6 @@ def test_flash_attention_replay_meets_the_oracle(model_type, recompute_mlp):
     """The default SDPA backend (flash attention, not bit-reproducible in backward): the replayed
     step against an fp32 copy of the unpatched model, with the unpatched bf16 model as the eager
     baseline (tests/oracle.py's rule, as tests/test_models.py)."""
-    from forge.spec import tolerance
-
     model = _gpu_model(model_type)
     ids, labels = _ids(model, 2, 256, "cuda")
     ref = _step(copy.deepcopy(model).float(), ids, labels)
@@ -356,11 +358,7 @@ def test_flash_attention_replay_meets_the_oracle(model_type, recompute_mlp):
     for _ in range(3):  # uncaptured, captured, replayed
         got = _step(model, ids, labels)
     assert model._forge_graphs.stats.replayed == 2
-    c = model.config
-    k = max(c.vocab_size, c.intermediate_size, c.hidden_size, ids.numel())
-    tolerance.assert_close("loss", got[0], ref[0], eager[0], torch.bfloat16, k)
-    for n in ref[1]:
-        tolerance.assert_close(f"grad {n}", got[1][n], ref[1][n], eager[1][n], torch.bfloat16, k)
+    assert_step_close(got, ref, eager, model.config, ids.numel())
 
 
 @pytest.mark.gpu
@@ -370,26 +368,22 @@ def test_compiled_replay_meets_the_oracle(model_type, recompute_mlp, backend):
     """graphs=True, then torch.compile(fullgraph=True) with inductor: the layers replay their
     graphs from inside the compiled step (one op each); loss and gradients against an fp32
     copy of the unpatched model, with the unpatched bf16 model as the eager baseline."""
-    from forge.spec import tolerance
-
     model = _gpu_model(model_type)
     ids, labels = _ids(model, 2, 256, "cuda")
     ref = _step(copy.deepcopy(model).float(), ids, labels)
     eager = _step(model, ids, labels)
     # min_elements=0: the uncaptured calls run the kernels the captured ones do (a capture fuses
-    # every call), so the no-grad check below can ask for the same bits
-    forge.patch(model, backend=backend, graphs=True, recompute_mlp=recompute_mlp, min_elements=0)
+    # every call), so the no-grad check below can ask for the same bits; for the same reason no
+    # q/k/v fusion, which only captured calls run (tests/test_qkv.py)
+    forge.patch(model, backend=backend, graphs=True, recompute_mlp=recompute_mlp, min_elements=0,
+                kernels=[k for k in PATCH_KEYS if k != "qkv"])
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     for _ in range(4):  # uncaptured, captured, replayed twice
         got = _compiled_step(compiled, model, ids, labels)
     st = model._forge_graphs.stats
     assert st.captures == 1 and st.replayed == 3 and st.why == {"first call of this shape": 1}, st
-    c = model.config
-    k = max(c.vocab_size, c.intermediate_size, c.hidden_size, ids.numel())
-    tolerance.assert_close("loss", got[0], ref[0], eager[0], torch.bfloat16, k)
-    for n in ref[1]:
-        tolerance.assert_close(f"grad {n}", got[1][n], ref[1][n], eager[1][n], torch.bfloat16, k)
+    assert_step_close(got, ref, eager, model.config, ids.numel())
     # without grad: the forward's graphs (a set of their own: uncaptured, captured, replayed);
     # the replay gives the uncaptured layers' bits
     with torch.no_grad():
@@ -404,8 +398,6 @@ def test_compiled_lora_replay_meets_the_oracle():
     inside the compiled step; the loss and the adapters' gradients against an fp32 copy of the
     unpatched model, with the unpatched bf16 model as the eager baseline."""
     pytest.importorskip("peft", reason="peft is not installed")
-    from forge.spec import tolerance
-
     model = _peft_lora(_gpu_model("qwen2"), 0.0)
     ids, labels = _ids(model, 2, 256, "cuda")
     ref = _step(copy.deepcopy(model).float(), ids, labels)
@@ -419,11 +411,7 @@ def test_compiled_lora_replay_meets_the_oracle():
     st = model._forge_graphs.stats
     assert st.captures == 1 and st.replayed == 3 and st.why == {"first call of this shape": 1}, st
     assert ref[1].keys() == got[1].keys() and all("lora_" in n for n in got[1])
-    c = model.config
-    k = max(c.vocab_size, c.intermediate_size, c.hidden_size, ids.numel())
-    tolerance.assert_close("loss", got[0], ref[0], eager[0], torch.bfloat16, k)
-    for n in ref[1]:
-        tolerance.assert_close(f"grad {n}", got[1][n], ref[1][n], eager[1][n], torch.bfloat16, k)
+    assert_step_close(got, ref, eager, model.config, ids.numel())
     torch._dynamo.reset()
 
 
