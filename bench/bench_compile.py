@@ -13,7 +13,8 @@ Variants: ``eager`` (unpatched), ``compile`` (torch.compile of the unpatched mod
 ``forge[-recompute][-min0][-all|-glu|-norm|-normglu]+compile``: forge.patch (``-recompute``:
 recompute_mlp=True; ``-min0``: min_elements=0, no call below the guard's threshold runs unfused;
 ``-all``: compile_kernels="all"; ``-glu`` / ``-norm`` / ``-normglu``: only the GLU / RMSNorm / both kept
-forge's in the trace; ``-t16``: the Triton fused loss's vocabulary tiles at 1/16 of the fp32
+forge's in the trace; ``-noqkv``: without the q/k/v fusion (``kernels=`` every key but ``qkv``);
+``-t16``: the Triton fused loss's vocabulary tiles at 1/16 of the fp32
 logits, its width before they grew to 3/32 (the op is opaque to the trace: the same compiled
 graph runs, only the loss's tile count differs)), then
 torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
@@ -71,6 +72,10 @@ def _patch_kw(name: str) -> dict | None:
             kw["compile_kernels"] = list(_KEEP[part])
         elif part == "graphs":
             kw["graphs"] = True
+        elif part == "noqkv":  # every patch key but the q/k/v fusion
+            from forge.patching.core import PATCH_KEYS
+
+            kw["kernels"] = [k for k in PATCH_KEYS if k != "qkv"]
         elif part in _LOSS_FRACTION:  # not a patch keyword: set around each step (_loss_tiles)
             pass
         else:
