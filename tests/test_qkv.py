@@ -67,6 +67,7 @@ def test_one_product_gives_the_three(model_type, capturing):
     model = _patched(copy.deepcopy(base))
     n = base.config.num_hidden_layers
     assert model._forge_patched_counts == {"qkv": n, "graphs": n}, model._forge_skipped
+    assert model._forge_backends == {"qkv": "torch"} and "torch" in str(forge.report(model))
     ids = _ids(base)
     _close(_step(model, ids), _step(base, ids), model_type)
     assert model._forge_guard_stats.as_dict()["qkv"] == {"fused": n, "fallback": 0}

@@ -48,7 +48,7 @@ from . import graphs as _graphs
 from . import qkv as _qkv
 from . import report as _report
 from .guard import GuardStats
-from .patcher import DEFERRED_UNDER_COMPILE, LAYER_KEYS, TRAIN_ONLY, Patcher, restore
+from .patcher import DEFERRED_UNDER_COMPILE, LAYER_KEYS, TORCH, TRAIN_ONLY, Patcher, restore
 
 # what forge.patch(kernels=) takes: the kernels, and the fusions of torch's own operations
 PATCH_KEYS = KERNELS + (_qkv.KEY,)
@@ -217,7 +217,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         raise
     backends = p.backends()
     info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
-                 {b: ops.interpreted(b) for b in set(backends.values())})
+                 {b: b != TORCH and ops.interpreted(b) for b in set(backends.values())})
     call = dict(mode=mode, backend=backend_req, min_elements=min_req, kernels=requested if explicit else None,
                 graphs=graphs, recompute_mlp=recompute_mlp, compile_kernels=compile_kernels)
     state = _State(args[:7], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))

@@ -49,7 +49,7 @@ from ..spec import lora_mlp as _mlp_spec
 from ..spec import lora_qkv as _qkv_spec
 from . import arch as _arch
 from .forwards import _compiling
-from .qkv import own_forward, slot_forwards
+from .qkv import slot_forwards
 
 QKV = ("q_proj", "k_proj", "v_proj")
 _QKV_NAMES = _qkv_spec.TENSORS[:13]  # x, then w, bias, a, b per projection (the masks are keywords)
@@ -237,14 +237,7 @@ def _qkv_forwards(kernel, lora_linear, ks):
         # every tensor bound to its spec name (forge.spec.lora_qkv.TENSORS)
         return kernel(**dict(zip(_QKV_NAMES, ts)), scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4], **drop)
 
-    return slot_forwards(compute, ks, own_forward)
-
-
-def _replace_uncounted(p, module, key, fwd):
-    """k_proj / v_proj: restored by unpatch like any forward, but q_proj carries the one count
-    per attention module (counts are call sites: one fused call per attention forward)."""
-    p.replace_forward(module, key, fwd)
-    p._count(key, -1)
+    return slot_forwards(compute, ks)
 
 
 # ------------------------------------------------------------------------------------ apply
@@ -346,6 +339,7 @@ def _apply_qkv(p, attns, lora_linear, partial):
         q_fwd, k_fwd, v_fwd = _qkv_forwards(kernel, lora_linear, p.stats.counter(key))
         for attn in fit:
             p.replace_forward(attn.q_proj, key, types.MethodType(q_fwd, attn))
-            _replace_uncounted(p, attn.k_proj, key, types.MethodType(k_fwd, attn))
-            _replace_uncounted(p, attn.v_proj, key, types.MethodType(v_fwd, attn))
+            # (q_proj carries the one count per attention module: one fused call per forward)
+            p.replace_forward(attn.k_proj, key, types.MethodType(k_fwd, attn), count=False)
+            p.replace_forward(attn.v_proj, key, types.MethodType(v_fwd, attn), count=False)
     _skip_some(p, key, why, len(attns) + len(partial), "LoRA attention modules")

@@ -20,6 +20,7 @@ TRAIN_ONLY = ("fused_linear_ce", "lora_qkv", "lora_mlp")  # need a loss / adapte
 # (forge.patch(compile_kernels=)); the fused loss and the LoRA kernels always stay forge's
 DEFERRED_UNDER_COMPILE = ("rmsnorm", "swiglu", "geglu", "rope")
 LAYER_KEYS = ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_mlp")  # inside decoder layers
+TORCH = "torch"  # the backend name of a key that runs torch's own operations (Patcher.runs_torch)
 
 
 class Patcher:
@@ -123,6 +124,11 @@ class Patcher:
     def graphs(self) -> bool:
         """forge.patch(graphs=True)."""
         return self._graphs
+
+    def runs_torch(self, key: str) -> None:
+        """``key`` runs torch's own operations, no backend's kernel (the q/k/v fusion): its
+        backend reads ``TORCH`` in ``_forge_backends`` and the report."""
+        self._loaded[key] = (TORCH, None)
 
     def replace_forward(self, module, key: str, new_forward, count: bool = True) -> None:
         """(``count=False``: not a kernel, kept out of ``_forge_patched_counts``.)"""

@@ -53,15 +53,15 @@ from torch import nn
 from .forwards import _compiling
 from .guard import CAPTURE
 
-KEY = "qkv"  # (report.QKV_KEY)
+KEY = "qkv"
 QKV = ("q_proj", "k_proj", "v_proj")
 MAX_WEIGHT_BYTES = 8 << 20  # q, k and v weights of one layer together (Qwen2.5-0.5B: 2 MiB)
 
 
-def slot_forwards(compute, ks, fallback):
+def slot_forwards(compute, ks):
     """(q_proj forward, k_proj forward, v_proj forward), each to be bound to the attention
     module. ``compute(attn, x, args, kwargs)`` returns (q, k, v) or None; with None, and for k or
-    v without a matching slot, ``fallback(module, x, *args, **kwargs)`` runs the projection.
+    v without a matching slot, the projection's own forward runs (:func:`own_forward`).
     ``ks``: the guard counter (fused / fallback calls of q_proj, counted outside traces)."""
     slots: dict[int, list] = {}  # id(attention module) -> [x, x._version, grad mode, k, v]
 
@@ -76,7 +76,7 @@ def slot_forwards(compute, ks, fallback):
         slots.pop(id(attn), None)
         if not _compiling():
             ks.fallback += 1
-        return fallback(attn._modules["q_proj"], x, *args, **kwargs)
+        return own_forward(attn._modules["q_proj"], x, *args, **kwargs)
 
     def taker(idx, name):
         def forward(attn, x, *args, **kwargs):
@@ -87,7 +87,7 @@ def slot_forwards(compute, ks, fallback):
                 if s[3] is None and s[4] is None:
                     del slots[id(attn)]  # both taken: drop the reference to x
                 return out
-            return fallback(attn._modules[name], x, *args, **kwargs)
+            return own_forward(attn._modules[name], x, *args, **kwargs)
 
         return forward
 
@@ -155,18 +155,24 @@ def apply(p, attns) -> None:
         p.skip(KEY, "fuses inside forge's CUDA graphs only (graphs=True): in an eager step its host time "
                     "outweighed the device time it saves", applies=False)
         return
-    free = [a for a in attns if not any(p.is_replaced(a._modules.get(n)) or "forward" in
-                                        getattr(a._modules.get(n), "__dict__", {}) for n in QKV)]
+    # (an instance-level forward: taken by lora_qkv, or by another library)
+    free = [a for a in attns if not any("forward" in getattr(a._modules.get(n), "__dict__", {}) for n in QKV)]
     if not free:
         p.skip(KEY, "every attention module's projections are taken (lora_qkv) or replaced by another library",
                applies=False)
         return
-    why = [w for a in free if (w := misfit(a))]
-    fit = [a for a in free if misfit(a) is None]
+    fit, why = [], []
+    for a in free:
+        w = misfit(a)
+        if w is None:
+            fit.append(a)
+        else:
+            why.append(w)
     if not fit:  # (a fusion, not a kernel: a decline only warns when "qkv" was asked for by name)
         p.skip(KEY, why[0] if why else "no attention module fits", applies=False)
         return
-    q_fwd, k_fwd, v_fwd = slot_forwards(_fused, p.stats.counter(KEY), own_forward)
+    p.runs_torch(KEY)
+    q_fwd, k_fwd, v_fwd = slot_forwards(_fused, p.stats.counter(KEY))
     for attn in fit:
         p.replace_forward(attn.q_proj, KEY, types.MethodType(q_fwd, attn))
         p.replace_forward(attn.k_proj, KEY, types.MethodType(k_fwd, attn), count=False)

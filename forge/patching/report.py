@@ -13,7 +13,6 @@ import dataclasses
 import logging
 
 log = logging.getLogger("forge")
-QKV_KEY = "qkv"  # (forge.patching.qkv.KEY) one product of torch's: no backend, "torch" in the table
 
 _WARNED: set[str] = set()  # reasons already warned about in this process
 
@@ -76,7 +75,7 @@ class Report:
             if k.skipped is not None:
                 skips.append(f"  {k.key}: {k.skipped}")
                 continue
-            be = (k.backend or ("torch" if k.key == QKV_KEY else "-")) + (" (interpreter)" if k.interpreted else "")
+            be = (k.backend or "-") + (" (interpreter)" if k.interpreted else "")
             thr = ("-" if k.min_elements is None else "never" if k.min_elements >= _never()
                    else str(k.min_elements))
             rows.append([k.key, be, str(k.modules), thr] + ([str(k.fused), str(k.fallback)] if calls else []))
