@@ -20,7 +20,12 @@ graph runs, only the loss's tile count differs)), then
 torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
 mode="reduce-overhead", CUDA graphs over the compiled step). Peak memory is the variant's own: its model's parameters plus
 the most its step allocated above what every copy holds at rest, plus the whole of its graph
-pool with ``graphs=True``. Writes
+pool with ``graphs=True``. Each round also runs the same number of steps back to back, with one
+sync after the last (``b2b_ms``, per step, and ``b2b_vs_compile``): a training loop that reads
+nothing back between steps (HF's Trainer between its logging steps) lets the host run ahead into
+the next step while the device finishes the last one, so a step whose device work outlasts its
+host time is timed by its device work there, where the synced step (``step_ms``) also counts the
+host's wait at each step's start. Writes
 bench_compile-<model>-<mode>-<B>x<S>-<backend>[-cudagraphs]-<device>.{json,csv} into --out
 (``-cudagraphs`` when a variant uses CUDA graphs: ``-ro`` or ``forge-graphs``).
 """
@@ -44,8 +49,8 @@ from bench_patch_bisect import _step_fn  # noqa: E402
 from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, add_step_arguments, build  # noqa: E402
 
-COLUMNS = ["variant", "step_ms", "vs_compile", "speedup", "peak_MiB", "mem_vs_compile", "compile_s",
-           "graph_breaks", "note"]
+COLUMNS = ["variant", "step_ms", "vs_compile", "b2b_ms", "b2b_vs_compile", "speedup", "peak_MiB", "mem_vs_compile",
+           "compile_s", "graph_breaks", "note"]
 DEFAULT = "eager,compile,forge,forge+compile,forge-recompute+compile,forge-all+compile"
 
 
@@ -168,11 +173,11 @@ def main(argv=None):
         for _ in range(a.warmup):
             step()
         bc.sync()
-        runs[name] = (model, step, row, [], [])
+        runs[name] = (model, step, row, [], [], [])
         print(f"ready: {name} {row.get('compile_s', 0):.1f} s compile", flush=True)
 
     for _ in bc.progress(range(a.rounds), "rounds"):
-        for name, (model, step, row, per_round, peaks) in runs.items():
+        for name, (model, step, row, per_round, peaks, b2b) in runs.items():
             step()  # one untimed step: this copy's buffers back in the allocator's hands
             bc.sync()
             if cuda:
@@ -191,13 +196,20 @@ def main(argv=None):
                 # memory_allocated's peak above rest)
                 peaks.append(torch.cuda.max_memory_allocated() - rest + _param_bytes(model)
                              + graph_pool_bytes(model, whole=True))
+            t0 = time.perf_counter()  # the same steps back to back: one sync, after the last
+            for _ in range(a.steps):
+                step()
+            bc.sync()
+            b2b.append((time.perf_counter() - t0) * 1e3 / a.steps)
 
-    ref = runs["compile"][3]
+    ref, ref_b2b = runs["compile"][3], runs["compile"][5]
     rows = []
-    for name, (model, _step, row, per_round, peaks) in runs.items():
+    for name, (model, _step, row, per_round, peaks, b2b) in runs.items():
         row["step_ms"] = statistics.median(per_round)
         ratios = [c / x for x, c in zip(per_round, ref)]
         row["vs_compile"] = statistics.median(ratios)  # > 1: faster than torch.compile
+        row["b2b_ms"] = statistics.median(b2b)
+        row["b2b_vs_compile"] = statistics.median(c / x for x, c in zip(b2b, ref_b2b))
         row["note"] = ("ran an earlier variant's compiled graph (identical trace); " if row.pop("reused", False)
                        else "") + (f"round medians {min(per_round):.1f}-{max(per_round):.1f} ms; per-round speed vs compile "
                        f"{min(ratios):.3f}-{max(ratios):.3f}")
