@@ -20,7 +20,8 @@ graph runs, only the loss's tile count differs)), then
 torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
 mode="reduce-overhead", CUDA graphs over the compiled step). Peak memory is the variant's own: its model's parameters plus
 the most its step allocated above what every copy holds at rest, plus the whole of its graph
-pool with ``graphs=True``. Each round also runs the same number of steps back to back, with one
+pool with ``graphs=True``, or of inductor's with ``-ro`` (one pool per process: the peak of a
+``-ro`` variant is measured only where it is the run's one ``-ro`` variant). Each round also runs the same number of steps back to back, with one
 sync after the last (``b2b_ms``, per step, and ``b2b_vs_compile``): a training loop that reads
 nothing back between steps (HF's Trainer between its logging steps) lets the host run ahead into
 the next step while the device finishes the last one, so a step whose device work outlasts its
@@ -111,6 +112,21 @@ def _loss_tiles(name: str, step):
     return run
 
 
+def _inductor_pool_bytes() -> int:
+    """All bytes of the CUDA graph pool that ``mode="reduce-overhead"`` (inductor's CUDA graph
+    trees) records into on this device: the activations its replays write live there, where
+    ``max_memory_allocated`` after a reset no longer sees them (a replay allocates nothing).
+    One pool per device and thread, shared by every compiled function that uses the mode."""
+    from torch._inductor import cudagraph_trees
+
+    mgr = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    if mgr is None:
+        return 0
+    pool = tuple(mgr.cuda_graphs_thread_pool)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) == pool)
+
+
 def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -140,6 +156,7 @@ def main(argv=None):
 
         inductor_config.force_disable_caches = True
     names = a.variants.split(",")
+    ro_names = [n for n in names if n.endswith("-ro")]
     if "compile" not in names:  # (the -ro variants' ratios are to it too)
         raise SystemExit("--variants must include 'compile' (the ratios are to it)")
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -195,7 +212,8 @@ def main(argv=None):
                 # forge's graphs replay in their own pool (all of it this copy's, none of it in
                 # memory_allocated's peak above rest)
                 peaks.append(torch.cuda.max_memory_allocated() - rest + _param_bytes(model)
-                             + graph_pool_bytes(model, whole=True))
+                             + graph_pool_bytes(model, whole=True)
+                             + (_inductor_pool_bytes() if name.endswith("-ro") else 0))
             t0 = time.perf_counter()  # the same steps back to back: one sync, after the last
             for _ in range(a.steps):
                 step()
@@ -213,8 +231,10 @@ def main(argv=None):
         row["note"] = ("ran an earlier variant's compiled graph (identical trace); " if row.pop("reused", False)
                        else "") + (f"round medians {min(per_round):.1f}-{max(per_round):.1f} ms; per-round speed vs compile "
                        f"{min(ratios):.3f}-{max(ratios):.3f}")
-        if peaks:
+        if peaks and not (name.endswith("-ro") and len(ro_names) > 1):
             row["peak_MiB"] = max(peaks) / 2**20
+        elif peaks:  # (the pool holds every -ro variant's graphs: no one variant's peak)
+            row["note"] += "; peak not measured: the -ro variants share inductor's CUDA graph pool (one per run measures it)"
         rows.append(row)
     first = rows[0]
     comp = next(r for r in rows if r["variant"] == "compile")
