@@ -150,6 +150,7 @@ def test_bench_compile_quick(tmp_path):
     rows = {r["variant"]: r for r in _rows(tmp_path, "bench_compile")}
     assert list(rows) == ["eager", "compile", "forge+compile"]
     assert float(rows["compile"]["vs_compile"]) == 1.0 and float(rows["forge+compile"]["vs_compile"]) > 0
+    assert float(rows["compile"]["b2b_vs_compile"]) == 1.0 and float(rows["forge+compile"]["b2b_ms"]) > 0
     assert rows["forge+compile"]["graph_breaks"] == "0" and float(rows["forge+compile"]["compile_s"]) > 0
     assert not rows["eager"]["compile_s"]
 
