@@ -102,6 +102,12 @@ def test_calls_that_do_not_fit_run_the_three_products(capturing):
     attn.q_proj(x)
     x.add_(1.0)
     assert torch.equal(attn.k_proj(x), F.linear(x, attn.k_proj.weight, attn.k_proj.bias))
+    # a projection changed after patching (k_proj's bias dropped): checked per call, three products
+    fallback = model._forge_guard_stats.as_dict()["qkv"]["fallback"]
+    attn.k_proj.bias = None
+    assert torch.equal(attn.q_proj(x), F.linear(x, attn.q_proj.weight, attn.q_proj.bias))
+    assert torch.equal(attn.k_proj(x), F.linear(x, attn.k_proj.weight))
+    assert model._forge_guard_stats.as_dict()["qkv"]["fallback"] == fallback + 1
     forge.unpatch(model)
 
 

@@ -49,9 +49,8 @@ from ..spec import lora_mlp as _mlp_spec
 from ..spec import lora_qkv as _qkv_spec
 from . import arch as _arch
 from .forwards import _compiling
-from .qkv import slot_forwards
+from .qkv import QKV, slot_forwards
 
-QKV = ("q_proj", "k_proj", "v_proj")
 _QKV_NAMES = _qkv_spec.TENSORS[:13]  # x, then w, bias, a, b per projection (the masks are keywords)
 _MLP_NAMES = _mlp_spec.TENSORS[:10]  # x, then w, a, b per projection
 _ACT = {name: act for act, names in (("silu", _arch.GLU_ACTS["swiglu"]), ("gelu_tanh", _arch.GLU_ACTS["geglu"]))

@@ -100,6 +100,8 @@ def misfit(attn) -> str | None:
     if any(type(m) is not nn.Linear for m in mods):
         return "q_proj, k_proj and v_proj are not all plain nn.Linear"
     ws = [m.weight for m in mods]
+    if any(type(w) is not nn.Parameter and type(w) is not torch.Tensor for w in ws):
+        return "a weight that is not a plain tensor (an FSDP2 shard or a quantized weight)"
     if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
         return "the three weights differ in dtype, device or input width"
     bs = [m.bias for m in mods]
@@ -121,26 +123,14 @@ def own_forward(m, x, *args, **kwargs):
 
 def _fused(attn, x, args, kwargs):
     """(q, k, v) from one product while forge captures a layer's graphs, else None: run the
-    three (see the module doc)."""
-    if not CAPTURE.on or args or kwargs or _compiling():
+    three (see the module doc). Checked again per call with :func:`misfit` (projections, weights
+    or biases may be replaced after patching); it runs only while a capture records the layer."""
+    if not CAPTURE.on or args or kwargs or _compiling() or misfit(attn) is not None:
         return None
-    mods = attn._modules
-    ws, bs = [], []
-    for n in QKV:
-        m = mods[n]
-        if type(m) is not nn.Linear:
-            return None
-        p = m._parameters
-        w = p["weight"]
-        if type(w) is not nn.Parameter and type(w) is not torch.Tensor:
-            return None  # a DTensor (FSDP2 shard) or a quantized weight
-        ws.append(w)
-        bs.append(p["bias"])
-    if (bs[0] is None) != (bs[1] is None) or (bs[0] is None) != (bs[2] is None):
-        return None
-    widths = [w.shape[0] for w in ws]
-    y = F.linear(x, torch.cat(ws), None if bs[0] is None else torch.cat(bs))
-    q, k, v = y.split(widths, dim=-1)
+    mods = [attn._modules[n] for n in QKV]
+    bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
+    y = F.linear(x, torch.cat([m.weight for m in mods]), bias)
+    q, k, v = y.split([m.weight.shape[0] for m in mods], dim=-1)
     return q, k, v.contiguous()
 
 
