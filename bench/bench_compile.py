@@ -20,8 +20,10 @@ graph runs, only the loss's tile count differs)), then
 torch.compile (default mode; a variant ending in ``-ro``, such as ``compile-ro``:
 mode="reduce-overhead", CUDA graphs over the compiled step). Peak memory is the variant's own: its model's parameters plus
 the most its step allocated above what every copy holds at rest, plus the whole of its graph
-pool with ``graphs=True``, or of inductor's with ``-ro`` (one pool per process: the peak of a
-``-ro`` variant is measured only where it is the run's one ``-ro`` variant). Each round also runs the same number of steps back to back, with one
+pool with ``graphs=True``; for a ``-ro`` variant, the most bytes alive at once while inductor
+recorded its CUDA graphs (its first steps), which is what each replay holds at its peak (a replay
+allocates nothing; free space left between the pool's blocks is not counted, as the allocator's
+cache is not in the other variants: ``diag_step_memory.py`` gives both, a variant per process). Each round also runs the same number of steps back to back, with one
 sync after the last (``b2b_ms``, per step, and ``b2b_vs_compile``): a training loop that reads
 nothing back between steps (HF's Trainer between its logging steps) lets the host run ahead into
 the next step while the device finishes the last one, so a step whose device work outlasts its
@@ -112,21 +114,6 @@ def _loss_tiles(name: str, step):
     return run
 
 
-def _inductor_pool_bytes() -> int:
-    """All bytes of the CUDA graph pool that ``mode="reduce-overhead"`` (inductor's CUDA graph
-    trees) records into on this device: the activations its replays write live there, where
-    ``max_memory_allocated`` after a reset no longer sees them (a replay allocates nothing).
-    One pool per device and thread, shared by every compiled function that uses the mode."""
-    from torch._inductor import cudagraph_trees
-
-    mgr = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
-    if mgr is None:
-        return 0
-    pool = tuple(mgr.cuda_graphs_thread_pool)
-    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-               if tuple(seg.get("segment_pool_id", (0, 0))) == pool)
-
-
 def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -156,7 +143,6 @@ def main(argv=None):
 
         inductor_config.force_disable_caches = True
     names = a.variants.split(",")
-    ro_names = [n for n in names if n.endswith("-ro")]
     if "compile" not in names:  # (the -ro variants' ratios are to it too)
         raise SystemExit("--variants must include 'compile' (the ratios are to it)")
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -172,7 +158,11 @@ def main(argv=None):
         kw = _patch_kw(name)
         if kw is not None:
             forge.patch(model, mode=a.mode, backend=a.backend, **kw)
-        target, row = model, {"variant": name}
+        target, row, recorded = model, {"variant": name}, None
+        if cuda:  # (a -ro variant's peak is taken over its first steps: below)
+            torch.cuda.synchronize()
+            rest0 = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         if "+compile" in name or name.startswith("compile"):
             torch._dynamo.utils.counters.clear()
             ro = name.endswith("-ro") and cuda
@@ -190,7 +180,13 @@ def main(argv=None):
         for _ in range(a.warmup):
             step()
         bc.sync()
-        runs[name] = (model, step, row, [], [], [])
+        if cuda and name.endswith("-ro"):
+            # the most bytes alive at once while its CUDA graphs were recorded: a replay writes
+            # the same addresses with the same lifetimes and allocates nothing, so the steady
+            # steps' peak below misses them (the pool's free space between blocks, like the
+            # allocator's cache in every other variant, is not counted)
+            recorded = torch.cuda.max_memory_allocated() - rest0 + _param_bytes(model)
+        runs[name] = (model, step, row, [], [] if recorded is None else [recorded], [])
         print(f"ready: {name} {row.get('compile_s', 0):.1f} s compile", flush=True)
 
     for _ in bc.progress(range(a.rounds), "rounds"):
@@ -212,8 +208,7 @@ def main(argv=None):
                 # forge's graphs replay in their own pool (all of it this copy's, none of it in
                 # memory_allocated's peak above rest)
                 peaks.append(torch.cuda.max_memory_allocated() - rest + _param_bytes(model)
-                             + graph_pool_bytes(model, whole=True)
-                             + (_inductor_pool_bytes() if name.endswith("-ro") else 0))
+                             + graph_pool_bytes(model, whole=True))
             t0 = time.perf_counter()  # the same steps back to back: one sync, after the last
             for _ in range(a.steps):
                 step()
@@ -231,10 +226,8 @@ def main(argv=None):
         row["note"] = ("ran an earlier variant's compiled graph (identical trace); " if row.pop("reused", False)
                        else "") + (f"round medians {min(per_round):.1f}-{max(per_round):.1f} ms; per-round speed vs compile "
                        f"{min(ratios):.3f}-{max(ratios):.3f}")
-        if peaks and not (name.endswith("-ro") and len(ro_names) > 1):
+        if peaks:
             row["peak_MiB"] = max(peaks) / 2**20
-        elif peaks:  # (the pool holds every -ro variant's graphs: no one variant's peak)
-            row["note"] += "; peak not measured: the -ro variants share inductor's CUDA graph pool (one per run measures it)"
         rows.append(row)
     first = rows[0]
     comp = next(r for r in rows if r["variant"] == "compile")
