@@ -36,6 +36,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import csv  # noqa: E402
 import datetime as dt  # noqa: E402
+import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -336,10 +337,11 @@ def write_artifacts(a, out: Path, res: dict, device):
         plt.close(fig)
     except ImportError as e:
         print(f"no loss.png: {e}")
-    versions = {}
-    for mod in ("torch", "transformers", "peft", "triton", "jax", "tokenizers"):
-        with contextlib.suppress(Exception):
-            versions[mod] = __import__(mod).__version__
+    versions = {}  # a module not imported yet is read from its installed metadata (importing jax
+    for mod in ("torch", "transformers", "peft", "triton", "jax", "tokenizers"):  # costs seconds)
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError, AttributeError):
+            versions[mod] = (sys.modules[mod].__version__ if mod in sys.modules
+                             else importlib.metadata.version(mod))
     versions["forge"] = forge.__version__
     summary = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -391,6 +393,10 @@ def main(argv=None):
                 print(f"  top host events of {m} (self ms/step, calls/step, name): "
                       + "; ".join(f"{ms:.2f} {n:.0f} {k}" for ms, n, k in p["top_host_ms_per_step"][:12]))
             print(f"artifacts in {out}")
+        # every rank leaves the process group together: a rank that tears gloo down while rank 0
+        # still writes the artifacts leaves rank 0's gloo a closed peer (a CI run saw a rank
+        # abort with SIGABRT once, after rank 0 had begun writing them)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
