@@ -159,7 +159,7 @@ def main(argv=None):
         if kw is not None:
             forge.patch(model, mode=a.mode, backend=a.backend, **kw)
         target, row, recorded = model, {"variant": name}, None
-        if cuda:  # (a -ro variant's peak is taken over its first steps: below)
+        if cuda and name.endswith("-ro"):  # its peak is taken over its first steps (below)
             torch.cuda.synchronize()
             rest0 = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

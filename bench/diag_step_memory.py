@@ -6,8 +6,9 @@ were recorded (a replay allocates nothing, so the recording step is where its pe
     python bench/diag_step_memory.py --variant forge+compile-ro [--batch 4 --seq-len 1024]
         [--history snapshot.pickle.gz]   # the first steps' allocation history, and what is alive at its peak
 
-Variants as in bench_compile.py. Prints one JSON line per measurement and a summary; nothing is
-timed here (bench_compile.py times the variants side by side).
+Variants as in bench_compile.py. Prints one JSON line (the first steps' peaks, the steady steps'
+peaks, the pool, inductor's cudagraph counters); nothing is timed here (bench_compile.py times the
+variants side by side).
 """
 from __future__ import annotations
 
@@ -117,11 +118,11 @@ def main(argv=None):
     for _ in range(a.steps):
         step()
     torch.cuda.synchronize()
-    pool = sum(s["total_size"] for s in _pool_segments())
+    segs = _pool_segments()
+    pool = sum(s["total_size"] for s in segs)
     steady = {"alloc_peak_MiB": (torch.cuda.max_memory_allocated() - rest + _param_bytes(model)) / MiB,
               "alloc_peak_plus_pool_MiB": (torch.cuda.max_memory_allocated() - rest + _param_bytes(model) + pool) / MiB,
               "reserved_peak_MiB": torch.cuda.max_memory_reserved() / MiB}
-    segs = _pool_segments()
     blocks = sorted(((b["size"], b["state"]) for s in segs for b in s["blocks"]), reverse=True)
     summary = {
         "variant": name, "shape": f"{a.batch}x{a.seq_len}", "params_MiB": _param_bytes(model) / MiB,
@@ -131,7 +132,6 @@ def main(argv=None):
                  "largest_blocks_MiB": [(round(sz / MiB, 1), st) for sz, st in blocks[:16]],
                  "segment_sizes_MiB": sorted((round(s["total_size"] / MiB, 1) for s in segs), reverse=True)[:24]},
         "recorded_history": peak_live,
-        "cudagraph_skips": dict(torch._dynamo.utils.counters["inductor"]).get("cudagraph_skips", 0),
         "counters_inductor": {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cudagraph" in k},
     }
     print(json.dumps(summary))
