@@ -19,6 +19,15 @@ PRESETS = {
                       rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
                       final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
                       sliding_window=4096, max_position_embeddings=8192, tie_word_embeddings=True),
+    # the sizes people fine-tune and serve (published shapes)
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      tie_word_embeddings=False, rope_theta=5e5, rms_norm_eps=1e-5,
+                      max_position_embeddings=131072, hidden_act="silu"),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768, hidden_act="silu"),
     # --quick: a tiny qwen2 for CPU smoke tests
     "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
