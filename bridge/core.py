@@ -53,6 +53,7 @@ import functools
 import torch
 
 from forge import _runtime as _forge_runtime
+from forge.spec._check import refuse_double_backward
 
 from . import native, runtime
 
@@ -285,6 +286,8 @@ class _Bridged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            refuse_double_backward(ctx.kdef.name)
         n = ctx.n_in
         saved = ctx.saved_tensors  # raises if a saved input was modified in place
         needs = tuple(ctx.needs_input_grad[2:])

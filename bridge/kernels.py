@@ -46,6 +46,12 @@ def checked(sig, check, *args, **kwargs) -> None:
         _SEEN.add(sig)
 
 
+def _tsig(*ts) -> tuple:
+    """The part of a call signature a tensor argument gives (shape, dtype, device); a non-tensor
+    gives its type, so the signature is new and the spec's check names the argument."""
+    return tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in ts)
+
+
 _WANT = "cpu" if runtime.interpret() else "cuda"  # where the kernels take tensors (fixed per process)
 
 
@@ -64,7 +70,7 @@ def _check_rmsnorm(x, weight, eps, casting, offset):
 
 
 def rmsnorm(x, weight, eps=1e-6, *, casting="llama", offset=0.0):
-    sig = ("rmsnorm", x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, eps, casting, offset)
+    sig = ("rmsnorm", _tsig(x, weight), eps, casting, offset)
     checked(sig, _check_rmsnorm, x, weight, eps, casting, offset)
     if x.numel() == 0:
         return rmsnorm_spec.reference(x, weight, eps, casting=casting, offset=offset)
@@ -77,7 +83,7 @@ def _check_glu(spec, gate, up):
 
 
 def _glu(kdef, spec, gate, up):
-    sig = (kdef.name, gate.shape, gate.dtype, gate.device, up.shape, up.dtype, up.device)
+    sig = (kdef.name, _tsig(gate, up))
     checked(sig, _check_glu, spec, gate, up)
     if gate.numel() == 0:
         return spec.reference(gate, up)
@@ -132,8 +138,7 @@ def _check_rope(q, k, cos, sin, unsqueeze_dim):
 
 
 def rope(q, k, cos, sin, unsqueeze_dim=1):
-    sig = ("rope", q.shape, k.shape, cos.shape, sin.shape, q.dtype, k.dtype, cos.dtype, sin.dtype,
-           q.device, k.device, cos.device, sin.device, unsqueeze_dim)
+    sig = ("rope", _tsig(q, k, cos, sin), unsqueeze_dim)
     checked(sig, _check_rope, q, k, cos, sin, unsqueeze_dim)
     if q.numel() == 0 or k.numel() == 0:
         return rope_spec.reference(q, k, cos, sin, unsqueeze_dim)
@@ -161,8 +166,7 @@ def _check_decode_attention(q, k, v, mask, scale):
 
 def decode_attention(q, k, v, mask=None, scale=None):
     """Pallas decoding attention with the signature of ``forge.spec.decode_attention.reference``."""
-    sig = ("decode_attention", q.shape, q.dtype, q.device, k.shape, k.dtype, v.shape, v.dtype,
-           None if mask is None else (mask.shape, mask.dtype, mask.device), scale)
+    sig = ("decode_attention", _tsig(q, k, v), None if mask is None else _tsig(mask), scale)
     checked(sig, _check_decode_attention, q, k, v, mask, scale)
     if q.numel() == 0:
         return decode_attention_spec.reference(q, k, v, mask, scale)

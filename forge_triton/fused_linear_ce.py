@@ -41,6 +41,8 @@ from forge.spec import fused_linear_ce as spec
 
 from . import _common, _launch
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: torch.is_autocast_enabled())
+
 # Tile width: forge.spec.fused_linear_ce.tile_width. 3/32 of the fp32 logits: dL/dz overlays
 # the tile, so this is the footprint that 1/16 plus a separate bf16 dL/dz had (pass 2's tile
 # is alive beside grad_W, where a compiled 4x1024 step peaks), in two thirds of the tiles.
@@ -266,6 +268,10 @@ def _dz_over(z, dt):
     is fp32 too (each element read and written by the same thread), else each row of the
     narrower dtype over the first half of z's row (row stride twice z's width), which the grad
     kernel writes behind its barrier (SYNC, set where this is not z)."""
+    if z.dtype not in (torch.float32, torch.float64):  # never overlay a narrower tile: the rows
+        # would be written past its end (a product that returned the autocast dtype did this)
+        raise RuntimeError(f"fused_linear_ce: the logits tile is {z.dtype}, expected float32; was a product "
+                           "autocast inside the loss?")
     return z if z.dtype == dt else z.view(dt)[:, : z.shape[1]]
 
 
@@ -442,4 +448,10 @@ def compute(tensors, static, need_h, need_w, need_b):
     op layer's node scales them by the loss's cotangent)."""
     hidden, weight, labels, div = tensors[:4]
     bias = tensors[4] if len(tensors) > 4 else None
+    if _any_autocast():  # (the op layer casts at its entry; a compiled graph may call this
+        # op with the caller's autocast on): the products here must keep their fp32 outputs, the
+        # gradient kernel writes dL/dz over the fp32 logits' own bytes
+        with torch.autocast(hidden.device.type, enabled=False):
+            return flce_forward(hidden, weight, labels, bias, div, need_h=need_h, need_w=need_w,
+                                need_b=need_b, **static)
     return flce_forward(hidden, weight, labels, bias, div, need_h=need_h, need_w=need_w, need_b=need_b, **static)

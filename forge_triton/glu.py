@@ -12,6 +12,7 @@ import triton.language as tl
 
 from forge.spec import geglu as geglu_spec
 from forge.spec import swiglu as swiglu_spec
+from forge.spec._check import no_double_backward
 
 from . import _common, _launch, _ops
 from ._common import cast
@@ -127,6 +128,7 @@ class GLUFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @no_double_backward("GLU")
     def backward(ctx, dy):
         g, u = ctx.saved_tensors
         dg, du = glu_bwd(dy, g, u, ctx.gelu)

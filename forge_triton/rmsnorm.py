@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from forge.spec import rmsnorm as spec
+from forge.spec._check import no_double_backward
 
 from . import _common, _launch, _ops
 from ._common import cast
@@ -175,6 +176,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @no_double_backward("rmsnorm")
     def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
         casting, offset, shape = ctx.cfg

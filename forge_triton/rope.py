@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from forge.spec import rope as spec
+from forge.spec._check import no_double_backward
 
 from . import _common, _launch, _ops
 from ._common import cast
@@ -84,14 +85,17 @@ def _unit(t):
     return t, st
 
 
-def _out_like(t):
+def _out_like(t, dtype):
     # empty_like keeps a dense permuted layout (HF's transposed views); anything else is compact
-    out = _common.empty_like(t)
-    return out if out.stride(-1) == 1 else _common.empty(t.shape, t.dtype, t.device)
+    out = _common.empty_like(t, dtype=dtype)
+    return out if out.stride(-1) == 1 else _common.empty(t.shape, dtype, t.device)
 
 
-def rope_apply(q, k, cos, sin, backward: bool):
-    """Rotate q (B,HQ,S,D) and k (B,HK,S,D); backward=True applies the transpose rotation."""
+def rope_apply(q, k, cos, sin, backward: bool, out_dtype=None):
+    """Rotate q (B,HQ,S,D) and k (B,HK,S,D); backward=True applies the transpose rotation.
+    ``out_dtype``: the outputs' dtype; by default torch's promotion of q's and cos's (``q * cos``
+    in the reference: bf16 q with fp32 cos, as HF hands them under autocast over an fp32 model,
+    gives fp32), computed in that dtype's accumulator."""
     q, sq = _unit(q)
     k, sk = _unit(k)
     cos, sc = _unit(cos)
@@ -99,7 +103,9 @@ def rope_apply(q, k, cos, sin, backward: bool):
     if sc != ss:
         cos, sin = cos.contiguous(), sin.contiguous()
         sc = cos.stride()
-    qo, ko = _out_like(q), _out_like(k)
+    if out_dtype is None:
+        out_dtype = torch.promote_types(q.dtype, cos.dtype)
+    qo, ko = _out_like(q, out_dtype), _out_like(k, out_dtype)
     b, hq, s, d = q.shape
     hk = k.shape[1]
     if not (b * s and (hq or hk) and d):
@@ -112,7 +118,7 @@ def rope_apply(q, k, cos, sin, backward: bool):
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
         0 if cos.shape[0] == 1 else sc[0], sc[1], s, hq, hk, half,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
-        ACC=_common.acc(q.dtype), num_warps=warps,
+        ACC=_common.acc(torch.promote_types(q.dtype, out_dtype)), num_warps=warps,
     )
     return qo, ko
 
@@ -121,12 +127,14 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
+        ctx.in_dtype = q.dtype
         return rope_apply(q, k, cos, sin, backward=False)
 
     @staticmethod
+    @no_double_backward("rope")
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        dq_in, dk_in = rope_apply(dq, dk, cos, sin, backward=True)
+        dq_in, dk_in = rope_apply(dq, dk, cos, sin, backward=True, out_dtype=ctx.in_dtype)
         return dq_in, dk_in, None, None
 
 
@@ -135,7 +143,7 @@ def _op_fwd(q, k, cos, sin):
 
 
 def _op_bwd(inputs, res, grads, needs):
-    _q, _k, cos, sin = inputs
+    _q, _k, cos, sin = inputs  # (q is not saved: autograd casts the gradients to q's dtype)
     dq, dk = rope_apply(grads[0], grads[1], cos, sin, backward=True)
     return {"q": dq, "k": dk}
 

@@ -10,6 +10,7 @@ import torch
 from .. import _runtime
 from ..spec import _check
 from ..spec import gated_mlp as mlp_spec
+from . import autocast as _autocast
 from . import gated_mlp as _mlp
 from . import library
 from . import precomputed as _pre
@@ -32,6 +33,11 @@ def gated_mlp(backend: str, mlp_act, check_devices):
     ok = _check.Validated(64)  # (device index, dtype, act) that passed the spec's and device checks
 
     def gated_mlp(x, w_gate, w_up, w_down, *, act: str = "silu", recompute: bool = False):
+        cast = _autocast.target(x.device.type, x, w_gate, w_up, w_down) if isinstance(x, torch.Tensor) else None
+        if cast is not None:  # eager's products would run in the autocast dtype: so do the node's
+            x, w_gate, w_up, w_down = (_autocast.cast(t, cast) for t in (x, w_gate, w_up, w_down))
+            with _autocast.off(x.device.type):
+                return gated_mlp(x, w_gate, w_up, w_down, act=act, recompute=recompute)
         compiling = _through_ops()
         # the common case in attribute reads; anything else takes the full checks, which raise
         if compiling or not (
@@ -62,6 +68,13 @@ def fused_linear_ce(backend: str, prepare, compute, one_pass):
     adaptor.install(library.traced_entry(backend, adaptor))
 
     def fused_linear_ce(hidden, weight, labels, bias=None, **kwargs):
+        dev = hidden.device.type if isinstance(hidden, torch.Tensor) else None
+        cast = dev and _autocast.target(dev, hidden, weight, bias)
+        if cast:  # as eager's lm_head under autocast: the products in the autocast dtype (the
+            # logits and the loss stay fp32), the fp32 parameters' gradients through the casts
+            hidden, weight, bias = (_autocast.cast(t, cast) for t in (hidden, weight, bias))
+            with _autocast.off(dev):
+                return fused_linear_ce(hidden, weight, labels, bias, **kwargs)
         tensors, static = prepare(hidden, weight, labels, bias, **kwargs)
         if _through_ops():
             return _pre.traced_apply(adaptor, tensors, static, hidden, weight, bias)

@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
+from ..spec._check import no_double_backward
 from ._adaptor import NodeAdaptorBase
 
 
@@ -69,7 +69,7 @@ class GatedMLPFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @no_double_backward("gated MLP")
     def backward(ctx, dy):
         ops, need = ctx.ops, ctx.needs_input_grad
         if ctx.recompute:

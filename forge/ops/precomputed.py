@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..spec._check import no_double_backward
 from ._adaptor import NodeAdaptorBase
 
 __all__ = ["apply", "scale_"]
@@ -90,7 +91,7 @@ class PrecomputedGradLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @no_double_backward("fused_linear_ce")
     def backward(ctx, grad_out):  # grad_out: () in the loss's dtype, on the device
         if ctx.grads is None:
             raise RuntimeError(

@@ -65,9 +65,9 @@ import weakref
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..ops.gated_mlp import _any_autocast
+from ..spec._check import no_double_backward
 from .guard import CAPTURE
 
 MAX_SETS = 4          # input shapes captured per model; calls of further shapes run uncaptured
@@ -163,7 +163,7 @@ class _Replay(torch.autograd.Function):
         return lg.out.detach()
 
     @staticmethod
-    @once_differentiable
+    @no_double_backward("graphs (a replayed decoder layer)")
     def backward(ctx, g):
         lg, tok = ctx.lg, ctx.tok
         if tok.done:

@@ -1,6 +1,8 @@
 """Argument checks shared by the spec modules: clear errors naming the argument."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -56,3 +58,31 @@ class Validated(BoundedCache):
 
     def add(self, key) -> None:
         self[key] = None
+
+
+def no_double_backward(name: str):
+    """Decorate an autograd backward of forge's kernel ``name``: a backward run with
+    ``create_graph=True`` (autograd then runs it in grad mode) raises at once, naming the kernel.
+
+    forge's backward passes launch kernels autograd cannot see through, so their gradients would
+    carry no graph: torch's ``once_differentiable`` raises only where an incoming gradient
+    requires grad, and otherwise hands back gradients that a second backward silently treats as
+    constants (a wrong second derivative, no error). Refusing every ``create_graph`` backward is
+    the one rule that never gives a wrong value."""
+    def deco(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            if torch.is_grad_enabled():
+                refuse_double_backward(name)
+            return backward(ctx, *grads)
+        return wrapper
+    return deco
+
+
+def refuse_double_backward(name: str):
+    """Raise the error of :func:`no_double_backward` (for a backward whose kernel name is known
+    only at call time)."""
+    raise RuntimeError(
+        f"forge's {name} kernel has no double backward: a backward with create_graph=True (second-order "
+        "gradients, gradient penalties) cannot run through it. Run that model unpatched (forge.unpatch), "
+        "or patch it without that kernel (forge.patch(kernels=...))")
