@@ -76,11 +76,11 @@ def train(model, tmp_path, **args):
     return losses, {n: (p.detach() - start[n].to(p.device)).cpu() for n, p in model.named_parameters()}
 
 
-def run_three(tmp_path, dtype=torch.float32, **args):
+def run_three(tmp_path, dtype=torch.float32, backend=BACKEND, **args):
     model = build_model("qwen2")
     ref = train(copy.deepcopy(model).double(), tmp_path / "ref", **args)
     eager = train(copy.deepcopy(model), tmp_path / "eager", **args)
-    patched_model = forge.patch(model, backend=BACKEND, min_elements=0)
+    patched_model = forge.patch(model, backend=backend, min_elements=0)
     patched = train(patched_model, tmp_path / "forge", **args)
     c = model.config
     # the longest fp32 accumulation any kernel does: vocabulary, MLP width, or the tokens of a
@@ -115,11 +115,13 @@ def test_trainer_gradient_checkpointing(tmp_path):
     assert model._forge_guard_stats.fused("rope") >= 2 * STEPS * model.config.num_hidden_layers
 
 
-def test_trainer_bf16(tmp_path):
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+def test_trainer_bf16(tmp_path, backend):
     # bf16=True makes Trainer run the forward under torch.autocast(bfloat16), on a CPU as on a GPU;
-    # the weights stay fp32, the matmuls and what they feed run in bf16: the bf16 rule applies
-    need(BACKEND)
-    run_three(tmp_path, dtype=torch.bfloat16, bf16=True)
+    # the weights stay fp32, the matmuls and what they feed run in bf16: the bf16 rule applies.
+    # Both backends: the Triton loss once corrupted memory exactly here (fp32 weights, autocast)
+    need(backend)
+    run_three(tmp_path, dtype=torch.bfloat16, backend=backend, bf16=True)
 
 
 def test_trainer_example_quick():
