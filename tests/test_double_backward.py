@@ -50,10 +50,10 @@ def test_kernel_refuses_create_graph(backend, key, device):
 
 
 @pytest.mark.parametrize("backend", ops.BACKENDS)
-def test_patched_model_refuses_create_graph(backend):
+def test_patched_model_refuses_create_graph(backend, device):
     need_backend(backend)
-    model = build_model("llama")
-    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model = build_model("llama", device=device)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), device=device)
     params = [p for p in model.parameters() if p.requires_grad]
     loss = model(ids, labels=ids).loss
     torch.autograd.grad(loss, params, create_graph=True)  # unpatched: second order is torch's own
