@@ -82,12 +82,10 @@ def main():
         for be in a.backends.split(","):
             if not ops.availability(be)[0]:
                 continue
-            fn = ops.get("fused_linear_ce", be)
-
-            def mk(**kw):
+            def mk(loss=ops.get("fused_linear_ce", be), **kw):
                 def step():
                     hid.grad = w.grad = None
-                    fn(hid, w, y, **kw).backward()
+                    loss(hid, w, y, **kw).backward()
                 return step
 
             variants[f"{be}_default"] = mk()
@@ -96,10 +94,10 @@ def main():
                 if c <= n:
                     variants[f"{be}_rows{c}"] = mk(chunk_rows=c)
         ref = None
-        for name, fn in variants.items():
+        for name, step in variants.items():
             try:
-                ms = _time(fn, a.reps)
-                mib = _peak(fn)
+                ms = _time(step, a.reps)
+                mib = _peak(step)
             except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
                 print(f"{shp} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
