@@ -53,9 +53,7 @@ def _impl(name, tile_vocab=None, n=0, v=0):
         if strategy == "tiles":
             return functools.partial(fn, tile_vocab=tile_vocab or spec.tile_width(
                 n, v, logits_fraction=mod.LOGITS_FRACTION))
-        chunks = getattr(mod, "ROW_CHUNKS", spec.ROW_CHUNKS)
-        rows = -(-(-(-n // chunks)) // spec.ROW_ALIGN) * spec.ROW_ALIGN
-        return functools.partial(fn, chunk_rows=rows)
+        return functools.partial(fn, chunk_rows=spec.row_chunk(n, v) or spec.ROW_CHUNK_MIN)
     if name == "eager":
         return lambda h, w, y: F.cross_entropy(F.linear(h, w).float(), y)
     if name in ("triton", "pallas"):

@@ -24,9 +24,8 @@ from . import core
 # XLA keeps more scratch live around the tiled loop than the Triton path (measured on the H200:
 # 814 MiB extra at 4096 x 896 x 151936 with the Triton path's 1/16), so its tiles are narrower
 LOGITS_FRACTION = 1 / 32
-# Row chunks (forge.spec.fused_linear_ce.row_chunk): dL/dz is a separate (C, V) buffer here
-# (the Triton path writes it over the logits), so the chunks are 1/16 of the rows, not 1/10
-ROW_CHUNKS = 16
+# Row chunks: forge.spec.fused_linear_ce.row_chunk, as the Triton path (dL/dz is a separate
+# (C, V) buffer here, where the Triton path writes it over the logits)
 
 # inputs: hidden, weight, labels, div[, bias]. Only its jitted forward is used (``fwd_fn``),
 # never ``core.apply``: the op layer's node differentiates it, so there is no bwd. It stays on
@@ -41,7 +40,7 @@ def compute(tensors, static, need_h, need_w, need_b):
     rows = static.pop("chunk_rows")
     if static["tile_vocab"] is None:  # the strategy depends on whether gradients are wanted
         n, v = tensors[0].shape[0], tensors[1].shape[0]
-        rows = spec.row_chunk(n, v, rows, need_grad=need_h or need_w or need_b, chunks=ROW_CHUNKS)
+        rows = spec.row_chunk(n, v, rows, need_grad=need_h or need_w or need_b)
         if rows is None:
             static["tile_vocab"] = spec.tile_width(n, v, logits_fraction=LOGITS_FRACTION)
     skey = tuple(dict(static, grads_for=(need_h, need_w, need_b), chunk_rows=rows).items())
@@ -57,7 +56,7 @@ def prepare(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="
     """Check the arguments (forge.spec.fused_linear_ce) and return what :func:`compute` takes:
     (tensors, static). Extra, optional: ``tile_vocab`` walks vocabulary tiles of that width,
     ``chunk_rows`` row chunks of that many rows (at most one of them); neither, and
-    ``forge.spec.fused_linear_ce.row_chunk`` picks (with ROW_CHUNKS chunks), the tiles sized by
+    ``forge.spec.fused_linear_ce.row_chunk`` picks, the tiles sized by
     ``tile_width``."""
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,

@@ -306,11 +306,15 @@ def test_strategies_agree(backend, dtype, case, shape, tile, device):
 
 
 def test_row_chunk_choice():
-    # row chunks by default only for tall chunks with gradients wanted; forced ones as given
-    assert spec.row_chunk(16384, 128256) == 1664  # 16384 / 10 rounded up to 64
+    # row chunks by default where gradients are wanted: as many rows as 1 GiB of fp32 logits
+    # holds, balanced over the chunks; vocabulary tiles without gradients, or for a vocabulary
+    # so wide that a chunk would be under ROW_CHUNK_MIN rows; forced ones as given
+    assert spec.row_chunk(16384, 128256) == 2048  # 2**30 / (4 * 128256) = 2093, down to 64s
+    assert spec.row_chunk(4096, 151936) == 1408  # 1728-row cap: three chunks of 1366, up to 64s
+    assert spec.row_chunk(64, 128256) == 64  # one chunk
     assert spec.row_chunk(16384, 128256, need_grad=False) is None
-    assert spec.row_chunk(4096, 151936) is None  # 410-row chunks: vocabulary tiles
-    assert spec.row_chunk(10240, 1000) == spec.ROW_CHUNK_MIN
+    assert spec.row_chunk(4096, 300_000) is None  # an 832-row cap: vocabulary tiles
+    assert spec.row_chunk(500, 300_000) == 500  # ...unless every row fits one chunk
     assert spec.row_chunk(100, 10, 7) == 7
     with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
         spec.row_chunk(100, 10, 0)

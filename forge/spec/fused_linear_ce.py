@@ -186,15 +186,18 @@ def tile_width(n: int, v: int, tile_vocab: int | None = None, *, logits_fraction
     return max(1, min(tile_vocab, v))
 
 
-# Row chunks (each backend's second strategy): each chunk holds all V columns of C rows in
-# fp32, so the logits go through the matmuls once, as in eager (three products instead of the
-# vocabulary tiles' four), but the low-precision grad_W is accumulated over the chunks (one
-# rounding and one read + write of grad_W per chunk). About ROW_CHUNKS chunks (each 1/ROW_CHUNKS
-# of eager's fp32 logits), taken by default only when a chunk has at least ROW_CHUNK_MIN rows:
-# the saved product costs 2 N H V flops, the extra grad_W traffic 4 V H bytes per chunk, so the
-# chunks win once they are a few hundred rows tall on a GPU with ~170 flops per byte; below
-# ROW_CHUNK_MIN the matmuls of short chunks lose efficiency too.
-ROW_CHUNKS = 10
+# Row chunks (each backend's default where gradients are wanted): each chunk holds all V
+# columns of C rows in fp32, so the logits go through the matmuls once, as in eager (three
+# products instead of the vocabulary tiles' four), and the low-precision grad_W is accumulated
+# over the chunks (one rounding and one read + write of grad_W per chunk after the first). The
+# chunk's fp32 logits get a fixed budget, ROW_CHUNK_BYTES: measured on the H200 at 4096 x 4096 x
+# 128256 (bench/diagnostics/flce_strategies.py), 2048-row chunks (1 GiB) ran the loss in 21.4 ms
+# against 26.9 ms for the tiles and eager's 23.4 ms, 1024-row chunks in 23.8 ms; at 16384 rows
+# 2048-row chunks took 84.6 ms against eager's 100.0 ms at 4.9% of eager's memory. Taller chunks
+# gain little more (2.1 GB for 3%). Chunks are balanced and ROW_ALIGN-aligned; below
+# ROW_CHUNK_MIN rows (a vocabulary over 256k words) the chunks' products lose efficiency and the
+# vocabulary tiles take over.
+ROW_CHUNK_BYTES = 2**30
 ROW_CHUNK_MIN = 1024
 ROW_ALIGN = 64
 
@@ -209,14 +212,21 @@ def check_strategy(tile_vocab, chunk_rows) -> None:
 
 
 def row_chunk(n: int, v: int, chunk_rows: int | None = None, *, need_grad: bool = True,
-              chunks: int = ROW_CHUNKS) -> int | None:
+              budget: int = ROW_CHUNK_BYTES) -> int | None:
     """Rows per chunk for the row-chunk strategy, or None for vocabulary tiles: ``chunk_rows``
-    when given, else N / ``chunks`` rounded up to ROW_ALIGN when that is at least ROW_CHUNK_MIN
-    rows and gradients are wanted (without them both strategies do one product per element)."""
+    when given; else, where gradients are wanted (without them both strategies do one product
+    per logit), as many rows as ``budget`` bytes of fp32 logits hold, balanced over the chunks
+    N needs and rounded up to ROW_ALIGN; None where that is fewer than ROW_CHUNK_MIN rows and
+    fewer than N."""
     check_strategy(None, chunk_rows)
     if chunk_rows is not None:
         return chunk_rows
     if not need_grad:
         return None
-    rows = -(-(-(-n // chunks)) // ROW_ALIGN) * ROW_ALIGN
-    return rows if rows >= ROW_CHUNK_MIN else None
+    cap = budget // (4 * max(v, 1)) // ROW_ALIGN * ROW_ALIGN
+    if cap < min(n, ROW_CHUNK_MIN):
+        return None
+    if n <= cap:
+        return max(n, 1)
+    count = -(-n // cap)
+    return min(cap, -(-(-(-n // count)) // ROW_ALIGN) * ROW_ALIGN)
