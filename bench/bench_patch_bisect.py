@@ -2,7 +2,7 @@
 torch.compile, forge under torch.compile and Liger-Kernel, side by side in one process.
 
     python bench/bench_patch_bisect.py --model qwen2.5-0.5b --mode train --batch 4 --seq-len 1024 \
-        [--backend triton|pallas|triton,pallas] [--guard-stats] [--min-elements N] [--lora] [--compile] [--liger] [--graphs]
+        [--backend triton|pallas|triton,pallas] [--guard-stats] [--min-elements N] [--lora [R,ALPHA,DROPOUT[,MODULE...]]] [--compile] [--liger] [--graphs]
     python bench/bench_patch_bisect.py --quick      # tiny CPU smoke test (interpreters)
 
 "train" is a forward with labels plus backward (all parameters trainable, or only the LoRA
@@ -10,7 +10,7 @@ adapters with --lora); "infer" a forward under no_grad. Median step time over --
 warm-up; peak memory from torch after warm-up (and JAX's own peak for the pallas backend: torch
 cannot see it; with --graphs, the graph pools' bytes that no live tensor holds are added, since
 torch's allocated-bytes counter does not see the activations the replays write there).
-Writes bench_patch_bisect-<model>-<mode>-<B>x<S>[-lora]-<backend>[-compile][-liger]-<device>.{json,csv,png}
+Writes bench_patch_bisect-<model>-<mode>-<B>x<S>[-lora[-R_ALPHA_DROPOUT]]-<backend>[-compile][-liger]-<device>.{json,csv,png}
 into --out.
 """
 from __future__ import annotations
@@ -33,16 +33,24 @@ import forge  # noqa: E402
 from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, add_step_arguments, build  # noqa: E402
 
-COLUMNS = ["variant", "step_ms", "speedup", "vs_first_backend", "peak_MiB", "mem_frac", "graph_held_MiB",
-           "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
+COLUMNS = ["variant", "step_ms", "speedup", "vs_first_backend", "peak_MiB", "mem_frac", "reserved_MiB",
+           "reserved_frac", "graph_held_MiB", "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
+ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _lora(model):
+def lora_config(spec: str):
+    """``R,ALPHA,DROPOUT[,MODULE...]`` -> peft LoraConfig keywords (every projection by default)."""
+    parts = spec.split(",")
+    if len(parts) < 3:
+        raise argparse.ArgumentTypeError(f"--lora takes R,ALPHA,DROPOUT[,MODULE...], got {spec!r}")
+    r, alpha, drop = int(parts[0]), float(parts[1]), float(parts[2])
+    return dict(r=r, lora_alpha=alpha, lora_dropout=drop, bias="none", target_modules=list(parts[3:] or ALL_PROJ))
+
+
+def _lora(model, spec):
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, bias="none",
-                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    return get_peft_model(model, cfg)
+    return get_peft_model(model, LoraConfig(**lora_config(spec)))
 
 
 def _jax_peak_mib():
@@ -99,6 +107,7 @@ def _peak(row, model=None):
     if torch.cuda.is_available():
         held = graph_pool_bytes(model) if model is not None else 0
         row["peak_MiB"] = max(row.get("peak_MiB") or 0, (torch.cuda.max_memory_allocated() + held) / 2**20)
+        row["reserved_MiB"] = max(row.get("reserved_MiB") or 0, torch.cuda.max_memory_reserved() / 2**20)
         if held:  # part of peak_MiB: graph-pool bytes no live tensor holds
             row["graph_held_MiB"] = held / 2**20
     row["jax_peak_MiB"] = _jax_peak_mib()
@@ -203,7 +212,8 @@ def main(argv=None):
     p.add_argument("--min-elements", type=int, default=None)
     p.add_argument("--alt-min-elements", type=json.loads, default=None, metavar="JSON",
                    help='also time every kernel under this guard in the same rotation, e.g. \'{"swiglu": 0}\'')
-    p.add_argument("--lora", action="store_true", help="peft LoRA r=16 on q,k,v,o,gate,up,down")
+    p.add_argument("--lora", nargs="?", const="16,32,0.05", default=None, metavar="R,ALPHA,DROPOUT[,MODULE...]",
+                   help="peft LoRA (bare --lora: r=16, alpha 32, dropout 0.05 on q,k,v,o,gate,up,down)")
     p.add_argument("--compile", action="store_true", help="also torch.compile(model) and forge under compile")
     p.add_argument("--compile-kernels", default=None, metavar="K1,K2;K3",
                    help="with --compile: also forge patched with only these kernels, then compiled "
@@ -229,7 +239,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = build(a.model, dtype, dev)
     if a.lora:
-        model = _lora(model)
+        model = _lora(model, a.lora)
     model.train(a.mode == "train")
     if not a.lora and a.mode == "train":
         model.requires_grad_(True)
@@ -293,12 +303,15 @@ def main(argv=None):
             r["speedup"] = eager["step_ms"] / r["step_ms"]
         if r.get("peak_MiB") and eager.get("peak_MiB"):
             r["mem_frac"] = r["peak_MiB"] / eager["peak_MiB"]
-    title = f"{a.model} {a.mode} {a.batch}x{a.seq_len}{' lora' if a.lora else ''} ({a.backend})"
+        if r.get("reserved_MiB") and eager.get("reserved_MiB"):
+            r["reserved_frac"] = r["reserved_MiB"] / eager["reserved_MiB"]
+    title = f"{a.model} {a.mode} {a.batch}x{a.seq_len}{' lora ' + a.lora if a.lora else ''} ({a.backend})"
     print(title)
     bc.print_table(rows, COLUMNS)
     extra = {"args": vars(a), "title": title}
     # runs that add torch.compile or Liger-Kernel are their own case: a plain re-run keeps them
-    case = (f"{a.model}-{a.mode}-{a.batch}x{a.seq_len}{'-lora' if a.lora else ''}-{'-'.join(a.backends)}"
+    lora_tag = "" if not a.lora else "-lora" + ("" if a.lora == "16,32,0.05" else "-" + a.lora.replace(",", "_"))
+    case = (f"{a.model}-{a.mode}-{a.batch}x{a.seq_len}{lora_tag}-{'-'.join(a.backends)}"
             f"{'-compile' if a.compile else ''}{'-liger' if a.liger else ''}")
     jpath, cpath = bc.write_results(a.out, "bench_patch_bisect", rows, extra, case=case)
     png = _plot(rows, jpath.with_suffix(".png"), title)
