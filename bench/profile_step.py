@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 import _common as bc  # noqa: E402
 import forge  # noqa: E402
-from bench_patch_bisect import _step_fn, _time  # noqa: E402
+from bench_patch_bisect import _lora, _step_fn, _time  # noqa: E402
 from presets import PRESETS, add_step_arguments, build  # noqa: E402
 
 
@@ -199,12 +199,16 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile each variant's model (patched first)")
     p.add_argument("--memory", action="store_true",
                    help="also one step under the allocator's history (CUDA): the step's peak and what is alive at it")
+    p.add_argument("--lora", nargs="?", const="16,32,0.05", default=None, metavar="R,ALPHA,DROPOUT[,MODULE...]",
+                   help="peft LoRA, as bench_patch_bisect.py's --lora")
     p.add_argument("--quick", action="store_true", help="tiny preset on the CPU")
     bc.add_out_argument(p)
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
     name = "tiny" if a.quick else a.model
     model = build(name, torch.bfloat16 if dev == "cuda" else torch.float32, dev)
+    if a.lora:
+        model = _lora(model, a.lora)
     model.train(a.mode == "train")
     vocab = model.config.vocab_size
     b, s = (1, 16) if a.quick else (a.batch, a.seq_len)
@@ -265,7 +269,7 @@ def main(argv=None):
     cols = ["variant", "ms", "device_busy_ms", "host_self_ms"] + (["compile_s"] if a.compile else [])
     bc.print_table([{k: r[k] for k in cols} for r in rows], cols)
     bc.write_results(a.out, "profile_step", rows, {"args": vars(a)},
-                     case=f"{name}-{a.mode}-{b}x{s}-{a.backend}{'-compile' if a.compile else ''}"
+                     case=f"{name}-{a.mode}-{b}x{s}{'-lora' if a.lora else ''}-{a.backend}{'-compile' if a.compile else ''}"
                           f"{'-cudagraphs' if '~graphs' in a.variants else ''}")
 
 
