@@ -97,7 +97,9 @@ BWD_PROGS_PER_SM = 4
 _fwd = _launch.FastKernel(_rmsnorm_fwd_kernel)
 _bwd = _launch.FastKernel(_rmsnorm_bwd_kernel)
 _dw_reduce = _launch.FastKernel(_dw_reduce_kernel)
-DW_BLOCK_N = 128
+DW_BLOCK_N = 128  # the dw reduction's tile: DW_BLOCK_P partial rows x DW_BLOCK_N columns a step
+DW_BLOCK_P = 32
+DW_WARPS = 4
 _CFG = _common.BoundedCache()  # width -> launch configuration
 
 
@@ -163,7 +165,8 @@ def rmsnorm_bwd(dy, x2, weight, rstd, casting, offset):
         num_warps=warps,
     )
     dw = _common.empty((n,), weight.dtype, x2.device)
-    _dw_reduce[(-(-n // DW_BLOCK_N),)](dw_part, dw, progs, n, BLOCK_P=32, BLOCK_N=DW_BLOCK_N, num_warps=4)
+    _dw_reduce[(-(-n // DW_BLOCK_N),)](dw_part, dw, progs, n, BLOCK_P=DW_BLOCK_P, BLOCK_N=DW_BLOCK_N,
+                                       num_warps=DW_WARPS)
     return dx, dw
 
 
