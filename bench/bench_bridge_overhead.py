@@ -7,7 +7,7 @@ activity: it sees JAX's kernels on JAX's stream too).
     python bench/bench_bridge_overhead.py [--kernels rmsnorm,swiglu,geglu,rope] [--quick]
 
 Writes bench_bridge_overhead-<device>.{json,csv} into --out (date, GPU, versions, command in the
-JSON). --quick: a smoke test of the script (seconds on a CPU, where both backends run in their
+JSON). --quick: a smoke test of the script (under a minute on a CPU, where both backends run in their
 interpreters): one tiny shape per kernel, each call timed once; its numbers measure nothing.
 """
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--quick", action="store_true", help="smoke test: one tiny shape, each call once (seconds)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: one tiny shape, each call once (under a minute on a CPU)")
     bc.add_out_argument(ap)
     a = ap.parse_args(argv)
     for b in ("triton", "pallas"):
