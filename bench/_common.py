@@ -2,10 +2,14 @@
 
 Results go to one folder per run (``--out DIR``; default ``$FORGE_BENCH_OUT``, else
 ``./forge-bench-results`` in the current directory, never inside the installed package). File
-names are stable, ``<benchmark>[-<case>]-<device>.{json,csv}``: a re-run of the same case
-overwrites its latest result, the date lives in the JSON, and one summary row per run is appended
-to ``history.csv`` in the same folder. The project's own results are recorded in bench/results
-(``--out bench/results``, or ``python bench/record.py FILE.json ...`` for files made elsewhere).
+names are stable, ``<script>[-<case>]-<device>.{json,csv}`` with ``<script>`` the benchmark's file
+name without ``.py``: a re-run of the same case overwrites its latest result, the date lives in
+the JSON, and one summary row per run is appended to ``history.csv`` in the same folder. The
+project's own results are recorded in bench/results (``--out bench/results``, or
+``python bench/record.py FILE.json ...`` for files made elsewhere).
+
+A run on a CPU (both backends in their interpreters) or with ``--quick`` is a smoke test: every
+table it prints and every file it writes says so (:func:`smoke_test`).
 """
 from __future__ import annotations
 
@@ -22,6 +26,13 @@ from pathlib import Path
 
 import torch
 
+BENCH = Path(__file__).resolve().parent
+QUICK = "--quick" in sys.argv[1:]
+if QUICK and not torch.cuda.is_available():
+    # the interpreted Pallas kernels are compiled by XLA for the CPU (about a second each); its
+    # cheapest optimisation level halves that, and a smoke test's numbers mean nothing anyway
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+
 DEFAULT_OUT = "forge-bench-results"
 # the H200's measured ceilings (docs/hardware.md says what was measured and how)
 COPY_CEILING_GBS = 4220.0  # device-to-device copy, bytes read + written
@@ -34,15 +45,48 @@ SUMMARY = {
     "bench_guard": ("summary", ["kernel", "backend"], ["crossover_infer", "crossover_train"]),
     "bench_patch_bisect": ("rows", ["variant"], ["step_ms", "speedup", "mem_frac"]),
     "bench_compile": ("rows", ["variant"], ["step_ms", "vs_compile", "mem_vs_compile"]),
-    "bridge_overhead": ("rows", ["kernel", "measure", "shape"], ["triton_us", "pallas_us"]),
-    "flce": ("rows", ["case", "impl"], ["ms", "extra_mib"]),
-    "flce_grad_w": ("rows", ["impl", "vocab", "hidden", "rows", "chunks"], ["ms", "total_mib"]),
-    "host_overhead": ("rows", ["kernel", "measure"], ["us_per_call"]),
+    "bench_bridge_overhead": ("rows", ["kernel", "measure", "shape"], ["triton_us", "pallas_us"]),
+    "bench_flce": ("rows", ["case", "impl"], ["ms", "extra_mib"]),
+    "diag_flce_grad_w": ("rows", ["impl", "vocab", "hidden", "rows", "chunks"], ["ms", "total_mib"]),
+    "bench_host_overhead": ("rows", ["kernel", "measure"], ["us_per_call"]),
     "profile_step": ("rows", ["variant"], ["ms", "device_busy_ms", "host_self_ms"]),
     "bench_generate": ("rows", ["batch", "prompt", "variant"], ["tok_s", "speedup", "ttft_ms"]),
     "tune_triton": ("rows", ["kernel", "shape", "tile", "progs_per_sm", "warps"], ["fwd_us", "bwd_us"]),
 }
+# the names results carried before they were named after their scripts (older JSON files)
+RENAMED = {"bridge_overhead": "bench_bridge_overhead", "flce": "bench_flce", "flce_grad_w": "diag_flce_grad_w",
+           "host_overhead": "bench_host_overhead", "first_call": "bench_first_call", "op_overhead": "bench_op_overhead"}
 HISTORY_COLUMNS = ["date", "benchmark", "case", "device", "file", "command", "summary"]
+_SAID: set[str] = set()  # smoke-test notes printed by this process
+
+
+def smoke_test() -> str | None:
+    """Why this run's numbers measure nothing (a CPU, or ``--quick``), else None."""
+    if not torch.cuda.is_available():
+        return ("SMOKE TEST, NOT A MEASUREMENT: no CUDA device, so forge's kernels ran in the Triton and "
+                "Pallas interpreters on the CPU; these times and speed-ups only show that the benchmark "
+                "runs (measure on a GPU)")
+    if QUICK:
+        return ("SMOKE TEST, NOT A MEASUREMENT: --quick runs tiny shapes a few times; these times and "
+                "speed-ups only show that the benchmark runs (run it without --quick to measure)")
+    return None
+
+
+def say_smoke_test() -> None:
+    """Print :func:`smoke_test`'s note (each table a run prints carries it once)."""
+    note = smoke_test()
+    if note:
+        print(note)
+        _SAID.add(note)
+
+
+def script_name(default: str) -> str:
+    """The running benchmark's file name without ``.py`` (a script under bench/, diagnostics
+    included); ``default`` when no such script runs (a test calling :func:`write_results`)."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main and BENCH in Path(main).resolve().parents:
+        return Path(main).stem
+    return RENAMED.get(default, default)
 
 
 def save_figure(fig, title: str, path):
@@ -83,12 +127,20 @@ def _device_tag() -> str:
 
 def write_results(out: Path, bench: str, rows: list[dict], extra: dict | None = None,
                   case: str = "", history: bool = True) -> tuple[Path, Path]:
-    """``<out>/<bench>[-<case>]-<device>.{json,csv}`` (overwritten by the next run of that case),
-    plus one row appended to ``<out>/history.csv`` (not for a partial write: ``history=False``)."""
+    """``<out>/<script>[-<case>]-<device>.{json,csv}`` (overwritten by the next run of that case),
+    plus one row appended to ``<out>/history.csv`` (not for a partial write: ``history=False``).
+    ``<script>`` is the running benchmark's file name without ``.py``, whatever ``bench`` says
+    (:func:`script_name`), so every result is named after the script that wrote it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    bench = script_name(bench)
     base = "-".join(x for x in (bench, case, _device_tag()) if x)
     meta = {"environment": environment(), "benchmark": bench, "case": case, **(extra or {}), "rows": rows}
+    note = smoke_test()
+    if note:
+        meta["smoke_test"] = note
+        if note not in _SAID:  # a script that prints no table of ours still says it once
+            say_smoke_test()
     jpath = out / (base + ".json")
     jpath.write_text(json.dumps(meta, indent=2, default=str))
     cpath = out / (base + ".csv")
@@ -108,6 +160,7 @@ def history_row(meta: dict, file: str) -> dict:
     """One run's line of history.csv: when, what, and its main numbers in one text cell."""
     env = meta.get("environment", {})
     bench = meta.get("benchmark", "")
+    bench = RENAMED.get(bench, bench)
     key, labels, values = SUMMARY.get(bench, ("rows", [], []))
     parts = []
     for r in meta.get(key) or []:
@@ -139,6 +192,7 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
             return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
         return "" if v is None else str(v)
 
+    say_smoke_test()
     cells = [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))

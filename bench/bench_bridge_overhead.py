@@ -6,8 +6,9 @@ activity: it sees JAX's kernels on JAX's stream too).
 
     python bench/bench_bridge_overhead.py [--kernels rmsnorm,swiglu,geglu,rope] [--quick]
 
-Writes bridge_overhead-<device>.{json,csv} into --out (date, GPU, versions, command in the
-JSON). --quick: tiny shapes, few iterations (a CPU smoke test of the script, not a number).
+Writes bench_bridge_overhead-<device>.{json,csv} into --out (date, GPU, versions, command in the
+JSON). --quick: a smoke test of the script (under a minute on a CPU, where both backends run in their
+interpreters): one tiny shape per kernel, each call timed once; its numbers measure nothing.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ from forge import ops  # noqa: E402
 from forge.spec import shapes  # noqa: E402
 
 KERNELS = ("rmsnorm", "swiglu", "geglu", "rope")
+# how often each call runs: (iterations, warm-up calls, alternating rounds) for the host rows and
+# (iterations, warm-up calls) for the device rows; --quick runs every call as few times as it can
+FULL = {"host": (200, 5, 7), "device": (30, 5)}
+QUICK = {"host": (1, 1, 1), "device": (1, 1)}
 COLUMNS = ["kernel", "measure", "shape", "dtype", "triton_us", "pallas_us", "ratio", "pallas_dlpack_us",
            "pallas_GBs", "pallas_frac_ceiling", "note"]
 
@@ -77,21 +82,32 @@ def _fwd_bwd(fn, args, kwargs, diff):
     return run
 
 
-def _alternating(a, b, iters, rounds=7):
-    """Medians of host us per call of ``a`` and ``b``, timed in alternating rounds: this host's
+def _alternating(a, b, iters, warmup, rounds):
+    """Medians of host us per call of ``a`` and ``b``, timed in alternating rounds: a host's
     speed drifts within seconds, so the two are timed side by side, many times."""
     ta, tb = [], []
     for _ in range(rounds):
-        ta.append(bc.wall_us(a, iters=iters, reps=1))
-        tb.append(bc.wall_us(b, iters=iters, reps=1))
+        ta.append(bc.wall_us(a, iters=iters, warmup=warmup, reps=1))
+        tb.append(bc.wall_us(b, iters=iters, warmup=warmup, reps=1))
     return statistics.median(ta), statistics.median(tb)
 
 
-def host_rows(key, dev, iters):
+def _table(key, quick):
+    """The named shapes of ``key`` (forge/spec/shapes.py): the GPU's, or with --quick the CPU's
+    smallest (a smoke test: the host and device rows share it, so each kernel compiles once)."""
+    gpu, cpu = {"rmsnorm": (shapes.RMSNORM_GPU, shapes.RMSNORM_CPU), "swiglu": (shapes.GLU_GPU, shapes.GLU_CPU),
+                "geglu": (shapes.GLU_GPU, shapes.GLU_CPU), "rope": (shapes.ROPE_GPU, shapes.ROPE_CPU)}[key]
+    return {"tiny": cpu["tiny"]} if quick else gpu
+
+
+def host_rows(key, dev, plan, quick=False):
     """Host time per call on tiny inputs (GPU work negligible: the loop is host-bound)."""
+    iters, warmup, rounds = plan
+    reps = 1 if rounds == 1 else 5
     from bridge import core, kernels
 
-    tiny = {"rmsnorm": (8, 896), "swiglu": (8, 896), "geglu": (8, 896), "rope": (1, 14, 2, 8, 64)}[key]
+    tiny = _table(key, True)["tiny"] if quick else {
+        "rmsnorm": (8, 896), "swiglu": (8, 896), "geglu": (8, 896), "rope": (1, 14, 2, 8, 64)}[key]
     args, kwargs, diff, _, _ = _inputs(key, tiny, torch.bfloat16, dev)
     tri, pal = ops.get(key, "triton"), ops.get(key, "pallas")
     rows = []
@@ -99,10 +115,10 @@ def host_rows(key, dev, iters):
 
     for measure, make in (("host fwd (no grad)", lambda f: _fwd(f, args, kwargs)),
                           ("host fwd+bwd", lambda f: _fwd_bwd(f, args, kwargs, diff))):
-        t, p = _alternating(make(tri), make(pal), iters)  # pallas: the default, native where it serves
+        t, p = _alternating(make(tri), make(pal), iters, warmup, rounds)  # pallas: native where it serves
         native.set_launcher("off")
         try:
-            d = bc.wall_us(make(pal), iters=iters)
+            d = bc.wall_us(make(pal), iters=iters, warmup=warmup, reps=reps)
         finally:
             native.set_launcher(None)
         rows.append({"kernel": key, "measure": measure, "shape": str(tiny), "dtype": "bfloat16",
@@ -123,22 +139,21 @@ def host_rows(key, dev, iters):
         parts["jax->torch torch.from_dlpack"] = lambda: core.to_torch(out)
     for name, fn in parts.items():
         rows.append({"kernel": key, "measure": "part: " + name, "shape": str(tuple(x.shape)),
-                     "dtype": "bfloat16", "pallas_us": bc.wall_us(fn, iters=iters)})
+                     "dtype": "bfloat16", "pallas_us": bc.wall_us(fn, iters=iters, warmup=warmup, reps=reps)})
     return rows
 
 
-def device_rows(key, dev, dtype, iters, quick):
-    table = {"rmsnorm": (shapes.RMSNORM_GPU, shapes.RMSNORM_CPU), "swiglu": (shapes.GLU_GPU, shapes.GLU_CPU),
-             "geglu": (shapes.GLU_GPU, shapes.GLU_CPU), "rope": (shapes.ROPE_GPU, shapes.ROPE_CPU)}[key]
-    named = {k: v for k, v in (table[1] if quick else table[0]).items() if k != "empty"}
+def device_rows(key, dev, dtype, plan, quick):
+    iters, warmup = plan
+    named = _table(key, quick)
     tri, pal = ops.get(key, "triton"), ops.get(key, "pallas")
     rows = []
     for sname, shape in bc.progress(named.items(), key):
         args, kwargs, diff, bytes_f, bytes_b = _inputs(key, shape, dtype, dev)
         for measure, nbytes, make in (("device fwd", bytes_f, lambda f: _fwd(f, args, kwargs)),
                                       ("device bwd", bytes_b, lambda f: _bwd(f, args, kwargs, diff))):
-            t = bc.device_time_us(make(tri), iters=iters)
-            p = bc.device_time_us(make(pal), iters=iters)
+            t = bc.device_time_us(make(tri), iters=iters, warmup=warmup)
+            p = bc.device_time_us(make(pal), iters=iters, warmup=warmup)
             gbs = nbytes / p / 1e3
             rows.append({"kernel": key, "measure": measure, "shape": f"{sname} {shape}", "dtype": str(dtype).split(".")[-1],
                          "triton_us": t, "pallas_us": p, "ratio": p / t, "pallas_GBs": gbs,
@@ -150,20 +165,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (CPU smoke test)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: one tiny shape, each call once (under a minute on a CPU)")
     bc.add_out_argument(ap)
     a = ap.parse_args(argv)
     for b in ("triton", "pallas"):
         ops.require(b)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype)
-    iters = 3 if a.quick else 200
+    plan = QUICK if a.quick else FULL
     rows = []
     for key in a.kernels.split(","):
-        rows += host_rows(key, dev, iters)
-        rows += device_rows(key, dev, dtype, 3 if a.quick else 30, a.quick)
+        rows += host_rows(key, dev, plan["host"], a.quick)
+        rows += device_rows(key, dev, dtype, plan["device"], a.quick)
     bc.print_table(rows, COLUMNS)
-    paths = bc.write_results(a.out, "bridge_overhead", rows, {"note": (
+    paths = bc.write_results(a.out, "bench_bridge_overhead", rows, {"note": (
         "host_us: wall time per call on tiny inputs, loop of calls then one sync (host-bound); "
         "pallas_us: the default path (native launch where it serves), pallas_dlpack_us: JAX + DLPack; "
         "device us: sum of all CUDA kernels per call from torch.profiler (JAX's stream included); "

@@ -1,8 +1,14 @@
 """Fine-tune peft LoRA adapters under FSDP2, eager and forge side by side.
 
-    torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --out runs/ft            # 200 steps
+    torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --out runs/ft            # 2 GPUs, 200 steps
     torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --model ~/Qwen2.5-0.5B --data notes.txt
     torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --quick --out /tmp/ft     # CPU, gloo
+    python examples/finetune_lora_fsdp2.py --quick --out /tmp/ft    # without torchrun: one process
+
+Launch it with torchrun, one process per GPU. Started without torchrun (no RANK in the
+environment) it runs as a single process (FSDP2 over one rank) and says so. On a CPU (``--quick``,
+or no CUDA device) forge's kernels run in their interpreters: such a run checks that forge's
+losses track eager's; its speed-up is not a measurement.
 
 Each mode (``--mode eager|forge|both``) builds the same model and adapters (same seed), shards
 it with ``fully_shard`` per decoder layer and at the root, patches it with forge (mode forge:
@@ -15,46 +21,39 @@ installed Python packages ship (.md/.txt/.rst under site-packages). Text is toke
 model folder's tokenizer if it has one, else with a byte-level BPE trained here with the
 ``tokenizers`` library (vocabulary at most the model's). Nothing is downloaded.
 
-Written to ``--out``: ``loss.csv`` and ``loss.png`` (both curves), ``adapter-<mode>/`` (peft
-``save_pretrained``), ``summary.json`` (date, GPU, versions, command, arguments, final losses,
-step times, tokens/s and peak memory per rank, the relative loss difference at every logged step)
-and, with ``--profile``, ``profile-<mode>.json``: where rank 0's step spends its time.
+Written to ``--out``: ``loss.csv``, ``loss.png`` (both curves; it needs matplotlib, which the
+``bench`` extra installs: ``pip install ".[bench]"``; without it the run says so and writes the
+rest), ``adapter-<mode>/`` (peft ``save_pretrained``), ``summary.json`` (date, GPU, versions,
+command, arguments, final losses, step times, tokens/s and peak memory per rank, the relative
+loss difference at every logged step) and, with ``--profile``, ``profile-<mode>.json``: where
+rank 0's step spends its time.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import csv
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import statistics
 import sys
+import sysconfig
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # forge from this checkout; bench's presets
-
-from forge import _runtime  # noqa: E402
-
-_runtime.ensure_triton_mode()  # before transformers imports triton
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import csv  # noqa: E402
-import datetime as dt  # noqa: E402
-import importlib.metadata  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import sysconfig  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-
-import forge  # noqa: E402
-
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
+INTERPRETED = ("forge's kernels ran in their interpreters on the CPU: this run checks that forge's losses "
+               "track eager's; the speed-up is not a measurement (time it on a GPU)")
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # (argparse before torch is imported: --help answers at once)
+    p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:3]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local Hugging Face model folder (default: random weights, --preset's shape)")
     p.add_argument("--preset", default="qwen2.5-0.5b", help="bench/presets.py shape when --model is not given")
     p.add_argument("--data", help="text file or folder (default: docs shipped in site-packages)")
@@ -80,6 +79,22 @@ def parse(argv=None):
         a.steps, a.batch, a.seq_len = min(a.steps, 4), 2, 32
         a.max_text_mb = min(a.max_text_mb, 0.5)
     return a
+
+
+if __name__ == "__main__":
+    ARGS = parse()
+
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # forge from this checkout; bench's presets
+
+from forge import _runtime  # noqa: E402
+
+_runtime.ensure_triton_mode()  # before transformers imports triton
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+import forge  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------- data
@@ -205,9 +220,10 @@ def train(a, mode, ids, device, out: Path) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     bar = None
     if rank == 0 and sys.stderr.isatty():
-        from tqdm import tqdm
+        with contextlib.suppress(ImportError):  # a progress bar where tqdm is installed (the bench extra)
+            from tqdm import tqdm
 
-        bar = tqdm(total=a.steps, desc=mode, unit="step")
+            bar = tqdm(total=a.steps, desc=mode, unit="step")
     losses, times = [], []
     for step in range(a.steps):
         torch.manual_seed(a.seed * 100003 + step * world + rank)  # dropout: seeded alike in both modes
@@ -336,7 +352,7 @@ def write_artifacts(a, out: Path, res: dict, device):
         fig.savefig(out / "loss.png", dpi=120)
         plt.close(fig)
     except ImportError as e:
-        print(f"no loss.png: {e}")
+        print(f"no loss.png ({e}): it needs matplotlib, e.g. pip install \".[bench]\" (loss.csv has the curves)")
     versions = {}  # a module not imported yet is read from its installed metadata (importing jax
     for mod in ("torch", "transformers", "peft", "triton", "jax", "tokenizers"):  # costs seconds)
         with contextlib.suppress(importlib.metadata.PackageNotFoundError, AttributeError):
@@ -347,7 +363,8 @@ def write_artifacts(a, out: Path, res: dict, device):
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": dist.get_world_size(), "versions": versions,
-        "command": " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}"] + sys.argv),
+        "command": " ".join((["torchrun", f"--nproc-per-node {dist.get_world_size()}"] if a.torchrun
+                             else ["python"]) + sys.argv),
         "args": {k: v for k, v in vars(a).items() if k != "data_info"}, "data": a.data_info,
         "final_loss": {m: res[m]["losses"][-1] for m in modes},
         "step_ms_median": {m: statistics.median(res[m]["step_ms"][min(5, n - 1):]) for m in modes},
@@ -359,12 +376,29 @@ def write_artifacts(a, out: Path, res: dict, device):
     if len(modes) == 2:
         e, f = summary["step_ms_median"]["eager"], summary["step_ms_median"]["forge"]
         summary["speedup_forge_vs_eager"] = e / f
+        if device.type == "cpu":
+            summary["speedup_note"] = INTERPRETED
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def main(argv=None):
-    a = parse(argv)
+def single_process_env() -> bool:
+    """Started without torchrun (no RANK): the environment of a one-process group. True if set."""
+    if "RANK" in os.environ:
+        return False
+    import socket
+
+    with socket.socket() as s:  # a free port for the group's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    print("not started by torchrun: running as one process (FSDP2 over one rank); for N GPUs launch "
+          "torchrun --nproc-per-node N examples/finetune_lora_fsdp2.py ...", flush=True)
+    return True
+
+
+def main(a):
+    a.torchrun = not single_process_env()
     cuda = not a.quick and torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cpu")
@@ -387,7 +421,8 @@ def main(argv=None):
                       f"tokens/s per rank {[round(r['tokens_per_s']) for r in s['per_rank'][m]]}")
             if s["max_rel_loss_diff"] is not None:
                 print(f"forge vs eager: max relative loss difference {s['max_rel_loss_diff']:.2e}, "
-                      f"speed-up {s['speedup_forge_vs_eager']:.2f}x")
+                      f"speed-up {s['speedup_forge_vs_eager']:.2f}x"
+                      + (f"; {INTERPRETED}" if device.type == "cpu" else ""))
             for m, p in s["profile"].items():
                 print(f"profile {m}: " + json.dumps({k: v for k, v in p.items() if not k.startswith("top_")}))
                 print(f"  top host events of {m} (self ms/step, calls/step, name): "
@@ -402,4 +437,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -97,7 +97,8 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     [0, vocab) or -100, as eager's loss requires (docs/fused_linear_ce.md). Otherwise (eval, no
     labels, ``generate()``) logits come out as before. Patching again with the same arguments is
     a no-op. ``forge.report(model)`` says what ran; the
-    ``"forge"`` logger gives a summary (INFO) and each decline reason (WARNING, once). A deep copy
+    ``"forge"`` logger gives a summary (INFO), and a WARNING (once per reason) only for what was
+    asked for and does not happen (docs/patching.md, "Logging"). A deep copy
     or a pickled and loaded copy comes back patched, on its own statistics (docs/patching.md).
     """
     from .patching.core import patch as _patch

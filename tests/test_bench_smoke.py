@@ -1,5 +1,6 @@
 """CI smoke tests of the benchmark scripts (--quick: tiny shapes, CPU interpreters): they run,
-and write result files holding the expected columns. No speed is asserted here."""
+say that their numbers are a smoke test, and write result files named after the script
+(``<script>[-<case>]-<device>``) holding the expected columns. No speed is asserted here."""
 from __future__ import annotations
 
 import csv
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOKE = "SMOKE TEST, NOT A MEASUREMENT"
 # what tqdm draws: carriage returns between redraws, block characters, the rate
 BAR_MARKS = ("\r", "it/s", "s/it", "\u2588", "%|")
 
@@ -29,6 +31,8 @@ def _run(script, args, tmp_path, out=True, cwd=ROOT):
     text = log.read_text()
     assert p.returncode == 0, text[-6000:]
     assert not [m for m in BAR_MARKS if m in text], text[-2000:]
+    if "--quick" in args:  # printed before its tables: nobody reads a CPU's speed-ups as results
+        assert SMOKE in text, text[-2000:]
     return text
 
 
@@ -38,6 +42,7 @@ def _rows(folder, stem):
     assert len(csvs) == 1 and len(jsons) == 1, list(folder.iterdir())
     assert csvs[0].stem == jsons[0].stem and jsons[0].stem.endswith("-cpu")  # stable name, no stamp
     meta = json.loads(jsons[0].read_text())
+    assert meta["benchmark"] == stem.split("-")[0] and SMOKE in meta["smoke_test"], meta.get("smoke_test")
     for key in ("date", "device", "torch", "command"):
         assert meta["environment"][key], key
     with (folder / "history.csv").open() as f:
@@ -82,10 +87,21 @@ def test_bench_flce_quick(tmp_path):
     # no --out and no $FORGE_BENCH_OUT: results go to ./forge-bench-results of the caller
     _run("bench_flce.py", ["--quick"], tmp_path, out=False, cwd=tmp_path)
     folder = tmp_path / "forge-bench-results"
-    rows = _rows(folder, "flce-tiny")
+    rows = _rows(folder, "bench_flce-tiny")
     assert [r["impl"] for r in rows] == ["eager", "triton", "pallas"] and {r["case"] for r in rows} == {"tiny"}
     assert all(float(r["ms"]) > 0 and float(r["extra_mib"]) >= 0 and r["time_vs_eager"] for r in rows)
     assert not any(r.get("skipped") or r.get("exit_rc") for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_bridge_overhead_quick(tmp_path):
+    # --quick is a smoke test (each call timed once at the CPU's smallest shape), not 11 minutes
+    _run("bench_bridge_overhead.py", ["--quick", "--kernels", "swiglu,rope"], tmp_path)
+    rows = _rows(tmp_path, "bench_bridge_overhead")
+    assert {r["kernel"] for r in rows} == {"swiglu", "rope"}
+    timed = [r for r in rows if r["measure"].startswith(("host", "device"))]
+    assert len(timed) == 8 and all(float(r["triton_us"]) > 0 and float(r["pallas_us"]) > 0 for r in timed)
+    assert any(r["measure"] == "part: jit dispatch (jax arrays in, out)" for r in rows)
 
 
 @pytest.mark.slow
@@ -208,3 +224,22 @@ def test_results_overwrite_latest_and_append_history(tmp_path, monkeypatch):
         assert len(list(csv.DictReader(f))) == 2
     with pytest.raises(SystemExit, match="not a result file"):
         record.record([made / "history.csv"], repo)
+
+
+def test_results_are_named_after_the_script(tmp_path, monkeypatch):
+    """Whatever name a benchmark passes, its files carry its script's name: results of
+    bench/bench_flce.py are bench_flce-<case>-<device>.*, a diagnostic's the same way."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import _common as bc
+
+    for script, given in (("bench_flce.py", "flce"), ("diagnostics/diag_flce_grad_w.py", "flce_grad_w")):
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(ROOT / "bench" / script), raising=False)
+        jpath, cpath = bc.write_results(tmp_path, given, [{"case": "tiny", "impl": "eager", "ms": 1.0}], case="tiny")
+        stem = Path(script).stem
+        assert jpath.name == f"{stem}-tiny-cpu.json" and cpath.name == f"{stem}-tiny-cpu.csv"
+        assert json.loads(jpath.read_text())["benchmark"] == stem
+    # the project's recorded results follow the rule (a name older runs had is not left behind)
+    scripts = {p.stem for p in (ROOT / "bench").rglob("*.py")} | {p.stem for p in (ROOT / "examples").glob("*.py")}
+    for f in (ROOT / "bench" / "results").iterdir():
+        if f.name != "history.csv":
+            assert any(f.name.startswith(s + "-") for s in scripts), f"{f.name}: not <script>-<case>-<device>"

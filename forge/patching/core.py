@@ -439,7 +439,8 @@ def _apply_lora(root, p):
     lora.apply(root, p)  # LoRA runs first: the modules it takes over are left alone after it
     for k in wanted:
         if k not in p.counts and k not in p.skipped:
-            p.skip(k, f"no module matched {k}")
+            where = "MLP" if k == "lora_mlp" else "attention"
+            p.skip(k, f"no {where} module has LoRA adapters on its projections", applies=False)
 
 
 def _apply_fused_ce(root, arch, p):

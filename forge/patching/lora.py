@@ -298,10 +298,13 @@ def _split(mods, names, lora_linear, bias_ok):
     return fit, why
 
 
-def _skip_some(p, key, why, total, what):
+def _skip_some(p, key, why, total, what, partial=()):
     if why:
         more = f" (+{len(why) - 3} more)" if len(why) > 3 else ""
-        p.skip(key, f"{len(why)} of {total} {what} left to peft: " + "; ".join(why[:3]) + more)
+        # LoRA on only some projections (peft's default: q and v) is the user's choice, not a
+        # failure of forge's: the kernel does not apply there (the summary, not a warning)
+        p.skip(key, f"{len(why)} of {total} {what} left to peft: " + "; ".join(why[:3]) + more,
+               applies=len(why) > len(partial))
 
 
 def _apply_mlp(model, p, mlps, lora_linear, partial):
@@ -323,7 +326,7 @@ def _apply_mlp(model, p, mlps, lora_linear, partial):
         fwd = _mlp_forward(kernel, act, lora_linear, p.stats.counter(key))
         for mod in fit:
             p.replace_forward(mod, key, types.MethodType(fwd, mod))
-    _skip_some(p, key, why, len(mlps) + len(partial), "LoRA MLPs")
+    _skip_some(p, key, why, len(mlps) + len(partial), "LoRA MLPs", partial)
 
 
 def _apply_qkv(p, attns, lora_linear, partial):
@@ -341,4 +344,4 @@ def _apply_qkv(p, attns, lora_linear, partial):
             # (q_proj carries the one count per attention module: one fused call per forward)
             p.replace_forward(attn.k_proj, key, types.MethodType(k_fwd, attn), count=False)
             p.replace_forward(attn.v_proj, key, types.MethodType(v_fwd, attn), count=False)
-    _skip_some(p, key, why, len(attns) + len(partial), "LoRA attention modules")
+    _skip_some(p, key, why, len(attns) + len(partial), "LoRA attention modules", partial)

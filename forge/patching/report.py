@@ -1,6 +1,9 @@
 """What forge did to a model, said two ways: ``forge.report(model)`` (a structured object that
-prints as a table), and the ``"forge"`` logger at patch time (one INFO summary per patch, one
-WARNING per distinct reason a kernel was declined, once per process).
+prints as a table), and the ``"forge"`` logger at patch time: one INFO summary per patch, and
+one WARNING per distinct reason, once per process, for what the caller asked for that does not
+happen (a kernel that fails to apply, a kernel named in ``kernels=`` that never fuses, graphs
+off CUDA). forge's own defaults never warn about themselves: a kernel that does not apply to the
+model, or a default size guard that never fuses here, is said at INFO.
 
 ``_forge_patched_counts`` counts the modules whose forward was replaced; it does not say whether
 their calls fuse. The report adds what the guard counted since the patch (or the last
@@ -24,8 +27,8 @@ def warn_once(reason: str) -> None:
 
 
 def info_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
+    if "info: " + message not in _WARNED:  # (said at INFO once does not stop a later WARNING)
+        _WARNED.add("info: " + message)
         log.info("%s", message)
 
 
@@ -117,8 +120,10 @@ def build(root, state) -> Report:
 def log_patch(root, state, p, graphs) -> None:
     """At the end of a patch (Patcher ``p``): the INFO summary, then one WARNING per decline
     reason not yet warned in this process. Kernels whose skip only says they do not apply (no
-    LoRA adapters, infer mode declining a training kernel, the other GLU; ``p.quiet``) and were
-    not asked for by name appear in the summary, not as warnings."""
+    LoRA adapters or LoRA on some projections only, infer mode declining a training kernel, the
+    other GLU; ``p.quiet``) and were not asked for by name appear in the summary, not as
+    warnings; so does a default guard of forge.NEVER (on a CPU, Pallas' RMSNorm and RoPE) unless
+    the kernel was named in ``kernels=``."""
     info = state.info
     if any(info.interpreted.values()):
         info_once("forge: no CUDA device: the kernels run in their interpreters (on the CPU), which are slow "
@@ -132,7 +137,7 @@ def log_patch(root, state, p, graphs) -> None:
     # declines that are no skip: a guard that never fuses by default, graphs that never replay
     for key, t in info.thresholds.items():
         if t >= _never() and not p.min_elements_given(key):
-            warn_once(f"forge.patch: {key} on {info.backends[key]} in mode={p.mode!r}: its default min_elements is "
+            (warn_once if p.explicit else info_once)(f"forge.patch: {key} on {info.backends[key]} in mode={p.mode!r}: its default min_elements is "
                       "forge.NEVER (forge.MIN_FUSED_ELEMENTS), so every call runs the original forward; "
                       "forge.patch(min_elements=...) fuses")
     if graphs is not None and p.device_types != {"cuda"}:

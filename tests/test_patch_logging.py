@@ -1,0 +1,94 @@
+"""The "forge" logger's levels (issue 44): forge's own defaults never warn about themselves.
+
+A default ``forge.patch`` (on a CPU: Pallas' interpreter, whose default guard leaves RMSNorm and
+RoPE eager) and peft's default ``LoraConfig`` (q and v only: forge's LoRA kernels do not apply)
+log their choices at INFO. A WARNING is kept for what the caller asked for that does not happen:
+a kernel named in ``kernels=`` that is declined or never fuses. Patch-time only: no kernel runs.
+"""
+from __future__ import annotations
+
+from forge import _runtime
+
+_runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import forge  # noqa: E402
+from forge.__main__ import build_model  # noqa: E402
+from forge.patching import arch  # noqa: E402
+from forge.patching import report as report_mod  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="checks the defaults of a machine without CUDA (the "
+                                                "gpu-marked case checks a CUDA model)")
+
+
+@pytest.fixture
+def log(caplog, monkeypatch):
+    monkeypatch.setattr(report_mod, "_WARNED", set())  # each reason is said once per process
+    caplog.set_level(logging.INFO, logger="forge")
+    return caplog
+
+
+def levels(caplog, level):
+    return [r.getMessage() for r in caplog.records if r.name == "forge" and r.levelno == level]
+
+
+@cpu_only
+@pytest.mark.parametrize("model_type", sorted(arch.SUPPORTED))
+def test_default_patch_on_a_cpu_does_not_warn(model_type, log):
+    model = forge.patch(build_model(model_type))
+    assert not levels(log, logging.WARNING) and not levels(log, logging.ERROR)
+    info = "\n".join(levels(log, logging.INFO))
+    assert "interpreters" in info and f"{type(model).__name__} (mode=train)" in info
+    # what the defaults leave eager is still said, at INFO
+    never = [k for k, t in model._forge_state.info.thresholds.items() if t >= forge.NEVER]
+    for key in never:
+        assert f"{key} on " in info and "forge.NEVER" in info
+
+
+@cpu_only
+def test_default_infer_patch_on_a_cpu_does_not_warn(log):
+    forge.patch(build_model("qwen2"), mode="infer")
+    assert not levels(log, logging.WARNING)
+    assert "mode='infer' declines fused_linear_ce" in "\n".join(levels(log, logging.INFO))
+
+
+@pytest.mark.gpu
+def test_default_patch_on_cuda_does_not_warn(log):
+    forge.patch(build_model("qwen2", dtype=torch.bfloat16, device="cuda"))
+    forge.patch(build_model("qwen2", dtype=torch.bfloat16, device="cuda"), mode="infer")
+    assert not levels(log, logging.WARNING)
+
+
+@cpu_only
+def test_a_named_kernel_that_never_fuses_still_warns(log):
+    if forge.patch(build_model("qwen2"), kernels=["rmsnorm"])._forge_state.info.thresholds["rmsnorm"] < forge.NEVER:
+        pytest.skip("rmsnorm's default guard fuses on this machine's backend: nothing to warn about")
+    assert any("rmsnorm" in m and "forge.NEVER" in m for m in levels(log, logging.WARNING))
+
+
+def test_peft_default_lora_config_does_not_warn(log):
+    peft = pytest.importorskip("peft")
+    device = "cuda" if HAS_CUDA else "cpu"
+    pm = peft.get_peft_model(build_model("qwen2", device=device), peft.LoraConfig(r=8))  # q_proj, v_proj
+    forge.patch(pm)
+    assert not levels(log, logging.WARNING)
+    # the kernels that do not apply are in the summary, with the reason
+    assert "no LoRA on k_proj" in pm._forge_skipped["lora_qkv"]
+    assert "no MLP module has LoRA adapters" in pm._forge_skipped["lora_mlp"]
+    info = "\n".join(levels(log, logging.INFO))
+    assert "lora_qkv:" in info and "lora_mlp:" in info
+
+
+def test_lora_kernels_asked_for_by_name_warn_when_they_do_not_apply(log):
+    peft = pytest.importorskip("peft")
+    device = "cuda" if HAS_CUDA else "cpu"
+    pm = peft.get_peft_model(build_model("qwen2", device=device), peft.LoraConfig(r=8))
+    forge.patch(pm, kernels=["lora_qkv", "lora_mlp"])
+    warn = levels(log, logging.WARNING)
+    assert sum("lora_qkv declined" in m and "k_proj" in m for m in warn) == 1
+    assert sum("lora_mlp declined" in m for m in warn) == 1
