@@ -10,9 +10,10 @@ pre-activations and writes dg, du and h. One jitted fwd and one jitted bwd per k
 jits them). Ranks are zero-padded to a power of two >= 16 (the dot's minimum K); the padded
 columns contribute exact zeros.
 
-Rounding follows eager peft + Hugging Face: the LoRA path runs in the adapter dtype (fp32
-adapters on a bf16 model stay fp32), g and u are rounded to x's dtype before act, act(g) before
-the product.
+Rounding: the adapters are read in x's dtype (peft's fp32 adapters on a bf16 model are rounded
+to bf16), every adapter product takes x-dtype operands with fp32 accumulation and the adapters'
+gradients come out in their own dtype (fp32 for fp32 adapters); g and u are rounded to x's dtype
+before act, act(g) before the product, as eager Hugging Face does.
 
 peft's lora_dropout arrives as one uint8 keep-mask per projection, after the weights, with the
 static ``drops`` holding each projection's scale 1 / (1 - p) (None: no mask; forge/spec/
@@ -66,12 +67,13 @@ def _tile(i, j, m, n):
     return pl.ds(i * BLOCK_M, BLOCK_M), pl.ds(j * BLOCK_N, BLOCK_N), rmask, cmask, rmask[:, None] & cmask[None, :]
 
 
-def _lowrank(p_ref, q_ref, rs, cs, rmask, cmask, col, rp, acc):
-    """(P[rs, col:col+rp] Q[cs, :]^T) for P (M, *) and Q (N, rp): the rank-rp product of a tile."""
+def _lowrank(p_ref, q_ref, rs, cs, rmask, cmask, col, rp, dt, acc):
+    """(P[rs, col:col+rp] Q[cs, :]^T) for P (M, *) and Q (N, rp): the rank-rp product of a tile,
+    both rounded to ``dt`` (x's dtype) for the product."""
     kmask = jnp.arange(rp) < rp  # (RP,) all true: full-shape masks for the Triton lowering
     p = C.load(p_ref.at[rs, pl.ds(col, rp)], mask=rmask[:, None] & kmask[None, :], other=0.0)  # (BM, RP)
     q = C.load(q_ref.at[cs, pl.ds(0, rp)], mask=cmask[:, None] & kmask[None, :], other=0.0)  # (BN, RP)
-    return _dot(p, q, ((1,), (1,))).astype(acc)
+    return _dot(p.astype(dt), q.astype(dt), ((1,), (1,))).astype(acc)
 
 
 def _round(v, dtype, acc):
@@ -89,25 +91,26 @@ def _drop(t, keep, scale):
     product, as torch's dropout, and of primitives the native launch translates (no select)."""
     if keep is None:
         return t
-    return t * (keep.astype(t.dtype) * scale)
+    acc = C.acc_dtype(t.dtype)  # one rounding, as torch's: bf16 * (1 / (1 - p)) in fp32
+    return (t.astype(acc) * (keep.astype(acc) * scale)).astype(t.dtype)
 
 
 def _adapter_in(x, a_list, rp, keeps, drops):
-    """(M, n RP) x a_p^T for n adapters reading x, each zero-padded to RP columns; one dot unless
-    an adapter has dropout (each then reads its own dropped-out x)."""
-    ldt = a_list[0].dtype
-    xl = x.astype(ldt)
-    padded = [_pad_rows(a, rp) for a in a_list]
+    """(M, n RP) x a_p^T in x's dtype for n adapters reading x (each A rounded to x's dtype and
+    zero-padded to RP rows); one dot unless an adapter has dropout (each then reads its own
+    dropped-out x)."""
+    dt = x.dtype
+    padded = [_pad_rows(a.astype(dt), rp) for a in a_list]
     if all(k is None for k in keeps):
-        return _dot(xl, jnp.concatenate(padded), ((1,), (1,))).astype(ldt)
-    return jnp.concatenate([_dot(_drop(xl, k, d), a, ((1,), (1,))).astype(ldt)
+        return _dot(x, jnp.concatenate(padded), ((1,), (1,))).astype(dt)
+    return jnp.concatenate([_dot(_drop(x, k, d), a, ((1,), (1,))).astype(dt)
                             for a, k, d in zip(padded, keeps, drops)], axis=1)
 
 
 def _masked_dx(dxa, a_list, keeps, drops):
     """sum_p drop_p(dxa_p a_p), the adapters' path of d x when some have dropout: per adapter
-    (each its own mask), in the adapter dtype with fp32+ accumulation."""
-    return sum(_drop(_dot(d, a), k, s) for d, a, k, s in zip(dxa, a_list, keeps, drops))
+    (each its own mask), x-dtype operands, fp32+ accumulation."""
+    return sum(_drop(_dot(d, a.astype(d.dtype)), k, s) for d, a, k, s in zip(dxa, a_list, keeps, drops))
 
 
 # out (M, N) = base + bias + scale * xa[:, col:col+rp] b^T, written over base
@@ -115,7 +118,7 @@ def _lora_add_kernel(base_ref, bias_ref, xa_ref, b_ref, m_ref, o_ref, *, col, rp
     m, n = C.read_rows(m_ref), base_ref.shape[1]  # rows at run time (see _common.rows_operand)
     acc = C.acc_dtype(o_ref.dtype)
     rs, cs, rmask, cmask, mask = _tile(pl.program_id(0), pl.program_id(1), m, n)
-    lo = _lowrank(xa_ref, b_ref, rs, cs, rmask, cmask, col, rp, acc)
+    lo = _lowrank(xa_ref, b_ref, rs, cs, rmask, cmask, col, rp, o_ref.dtype, acc)
     out = C.load(base_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
     if has_bias:
         out = out + C.load(bias_ref.at[cs], mask=cmask, other=0.0).astype(acc)[None, :]
@@ -143,8 +146,8 @@ def _lora_glu_fwd_kernel(g_ref, u_ref, xa_ref, bg_ref, bu_ref, m_ref, go_ref, uo
     rs, cs, rmask, cmask, mask = _tile(pl.program_id(0), pl.program_id(1), m, n)
     g = C.load(g_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
     u = C.load(u_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
-    g = _round(g + scale_g * _lowrank(xa_ref, bg_ref, rs, cs, rmask, cmask, 0, rp, acc), dt, acc)
-    u = _round(u + scale_u * _lowrank(xa_ref, bu_ref, rs, cs, rmask, cmask, rp, rp, acc), dt, acc)
+    g = _round(g + scale_g * _lowrank(xa_ref, bg_ref, rs, cs, rmask, cmask, 0, rp, dt, acc), dt, acc)
+    u = _round(u + scale_u * _lowrank(xa_ref, bu_ref, rs, cs, rmask, cmask, rp, rp, dt, acc), dt, acc)
     a, _ = _glu_act(g, "geglu" if gelu else "swiglu")
     C.store(go_ref.at[rs, cs], g.astype(dt), mask=mask)
     C.store(uo_ref.at[rs, cs], u.astype(dt), mask=mask)
@@ -161,7 +164,7 @@ def _lora_glu_bwd_kernel(dh_ref, g_ref, u_ref, dha_ref, adt_ref, keep_ref, m_ref
     acc = C.acc_dtype(dt)
     rs, cs, rmask, cmask, mask = _tile(pl.program_id(0), pl.program_id(1), m, n)
     dh = C.load(dh_ref.at[rs, cs], mask=mask, other=0.0).astype(acc)
-    lo = _lowrank(dha_ref, adt_ref, rs, cs, rmask, cmask, 0, rp, acc)
+    lo = _lowrank(dha_ref, adt_ref, rs, cs, rmask, cmask, 0, rp, dt, acc)
     if drop_scale is not None:  # the adapter saw drop(h): its gradient reaches h only where kept
         lo = _drop(lo, C.load(keep_ref.at[rs, cs], mask=mask, other=0), drop_scale)
     dh = dh + lo
@@ -220,19 +223,18 @@ def lora_qkv_bwd(inputs, res, grads, *, scales, has_bias, needs, drops=(None,) *
     x, projs, keeps = _split_qkv(inputs, has_bias, drops)
     (xa,) = res
     rp = xa.shape[1] // PROJ
-    ldt = xa.dtype
+    dt, ldt = x.dtype, projs[0][2].dtype
     step = 4 if has_bias else 3
     dx = None
     dxa, out = [], []
     for i, ((w, _, a, b), g, s) in enumerate(zip(projs, grads, scales)):
         r = a.shape[0]
-        gl = g.astype(ldt)
         xa_p = xa[:, i * rp:i * rp + r]  # (M, r)
-        dxa_p = (s * _dot(gl, b)).astype(ldt)  # (M, r) = s g_p B_p
+        dxa_p = (s * _dot(g, b.astype(dt))).astype(dt)  # (M, r) = s g_p B_p
         dxa.append(dxa_p)
         na, nb = needs[1 + i * step + step - 2], needs[1 + i * step + step - 1]
-        da = _dot(dxa_p, _drop(x.astype(ldt), keeps[i], drops[i]), ((0,), (0,))).astype(ldt) if na else None
-        db = (s * _dot(gl, xa_p, ((0,), (0,)))).astype(ldt) if nb else None  # (N_p, r)
+        da = _dot(dxa_p, _drop(x, keeps[i], drops[i]), ((0,), (0,))).astype(ldt) if na else None
+        db = (s * _dot(g, xa_p, ((0,), (0,)))).astype(ldt) if nb else None  # (N_p, r)
         out += [None, None, da, db] if has_bias else [None, da, db]
         if needs[0]:
             t = _dot(g, w)  # (M, H) base path g_p w_p, fp32 accumulation across the three
@@ -255,7 +257,7 @@ def lora_mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_
     s_g, s_u, s_d = scales
     k_g, k_u, k_d = _masks(masks, drops)
     m, inter = x.shape[0], w_gate.shape[0]
-    ldt = a_gate.dtype
+    dt = x.dtype
     rp = _padded_rank(max(a_gate.shape[0], a_up.shape[0]))
     xa = _adapter_in(x, [a_gate, a_up], rp, (k_g, k_u), drops[:2])  # (M, 2 RP)
     kern = functools.partial(_lora_glu_fwd_kernel, rp=rp, scale_g=float(s_g), scale_u=float(s_u), gelu=gelu)
@@ -264,7 +266,7 @@ def lora_mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_
                       out_shape=(sds, sds, sds), aliases={0: 0, 1: 1})(
         _base(x, w_gate), _base(x, w_up), xa, _pad_cols(b_gate, rp), _pad_cols(b_up, rp), C.rows_operand(m))
     rpd = _padded_rank(a_down.shape[0])
-    ha = _dot(_drop(h.astype(ldt), k_d, drops[2]), _pad_rows(a_down, rpd), ((1,), (1,))).astype(ldt)  # (M, RPd)
+    ha = _dot(_drop(h, k_d, drops[2]), _pad_rows(a_down.astype(dt), rpd), ((1,), (1,))).astype(dt)  # (M, RPd)
     y = lora_add(_base(h, w_down), None, ha, _pad_cols(b_down, rpd), col=0, scale=s_d)
     return (y,), (g, u, xa, ha)
 
@@ -277,28 +279,25 @@ def lora_mlp_bwd(inputs, res, grads, *, scales, gelu, needs, drops=(None,) * 3):
     (dy,) = grads
     s_g, s_u, s_d = scales
     m, inter = g.shape
-    ldt = xa.dtype
+    dt, ldt = x.dtype, a_gate.dtype
     rp, rpd = xa.shape[1] // 2, ha.shape[1]
     r_g, r_u, r_d = a_gate.shape[0], a_up.shape[0], a_down.shape[0]
-    dyl = dy.astype(ldt)
-    dha = (s_d * _dot(dyl, _pad_cols(b_down, rpd))).astype(ldt)  # (M, RPd), padded columns zero
-    d_b_down = (s_d * _dot(dyl, ha[:, :r_d], ((0,), (0,)))).astype(ldt) if needs[9] else None  # (H, r)
+    dha = (s_d * _dot(dy, _pad_cols(b_down.astype(dt), rpd))).astype(dt)  # (M, RPd), padded columns zero
+    d_b_down = (s_d * _dot(dy, ha[:, :r_d], ((0,), (0,)))).astype(ldt) if needs[9] else None  # (H, r)
     kern = functools.partial(_lora_glu_bwd_kernel, rp=rpd, gelu=gelu, drop_scale=drops[2])
     sds = jax.ShapeDtypeStruct((m, inter), g.dtype)
     dg, du, h = _launch(kern, name="lora_glu_bwd", grid=(C.row_programs(C.cdiv(m, BLOCK_M)), C.cdiv(inter, BLOCK_N)),
                         out_shape=(sds, sds, sds), aliases={0: 2})(
         _dot(dy, w_down).astype(g.dtype), g, u, dha, _pad_rows(a_down, rpd).T,
         jnp.zeros((1, 1), jnp.uint8) if k_d is None else k_d, C.rows_operand(m))
-    hd = _drop(h.astype(ldt), k_d, drops[2])
+    hd = _drop(h, k_d, drops[2])
     d_a_down = _dot(dha[:, :r_d], hd, ((0,), (0,))).astype(ldt) if needs[8] else None  # (r, I)
-    dgl, dul = dg.astype(ldt), du.astype(ldt)
-    dxa_g = (s_g * _dot(dgl, b_gate)).astype(ldt)  # (M, r_g)
-    dxa_u = (s_u * _dot(dul, b_up)).astype(ldt)
-    d_b_gate = (s_g * _dot(dgl, xa[:, :r_g], ((0,), (0,)))).astype(ldt) if needs[3] else None
-    d_b_up = (s_u * _dot(dul, xa[:, rp:rp + r_u], ((0,), (0,)))).astype(ldt) if needs[6] else None
-    xl = x.astype(ldt)
-    d_a_gate = _dot(dxa_g, _drop(xl, k_g, drops[0]), ((0,), (0,))).astype(ldt) if needs[2] else None
-    d_a_up = _dot(dxa_u, _drop(xl, k_u, drops[1]), ((0,), (0,))).astype(ldt) if needs[5] else None
+    dxa_g = (s_g * _dot(dg, b_gate.astype(dt))).astype(dt)  # (M, r_g)
+    dxa_u = (s_u * _dot(du, b_up.astype(dt))).astype(dt)
+    d_b_gate = (s_g * _dot(dg, xa[:, :r_g], ((0,), (0,)))).astype(ldt) if needs[3] else None
+    d_b_up = (s_u * _dot(du, xa[:, rp:rp + r_u], ((0,), (0,)))).astype(ldt) if needs[6] else None
+    d_a_gate = _dot(dxa_g, _drop(x, k_g, drops[0]), ((0,), (0,))).astype(ldt) if needs[2] else None
+    d_a_up = _dot(dxa_u, _drop(x, k_u, drops[1]), ((0,), (0,))).astype(ldt) if needs[5] else None
     dx = None
     if needs[0]:
         dx = _dot(dg, w_gate) + _dot(du, w_up)  # (M, H), fp32 accumulation of all four terms

@@ -9,8 +9,13 @@ term), and in the MLP the gate/up LoRA terms, the activation and the product are
 forward, and the down LoRA term, the activation's recompute and its derivative one kernel
 backward. grad_x is accumulated once by chained ``addmm_`` (cuBLAS beta = 1).
 
-Adapter weights may have another dtype than x (peft keeps them in fp32 for bf16 models): the
-LoRA path runs in the adapter dtype, as peft's does. Base weights and biases are frozen.
+Adapter weights may have another dtype than x (peft keeps them in fp32 for bf16 models): they
+are read in x's dtype, so every adapter product runs on x's dtype (the tensor cores for bf16 and
+fp16) with fp32 accumulation, and no activation is ever copied into the adapter's dtype. The
+adapters' gradients are accumulated in fp32 and written in their own dtype (fp32 for peft's fp32
+adapters: cuBLAS's ``mm`` with an fp32 output on CUDA; on the CPU an fp32 product). The kernels
+read B in its own dtype and round it in registers; the few-kilobyte A is cast once per call.
+Base weights and biases are frozen.
 
 peft's lora_dropout comes in as one bool mask per projection (forge/spec/lora_dropout.py). With
 a mask, that projection's down-projection and its gradients read the dropped-out input, which is
@@ -49,9 +54,10 @@ def _block_k(r: int) -> int:
 
 @triton.jit
 def _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr,
                   ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """(P Q)[rm, rn] for P (M, K) and Q (K, N) given by strides, K small (the LoRA rank)."""
+    """(P Q)[rm, rn] for P (M, K) and Q (K, N) given by strides, K small (the LoRA rank); both
+    read in their own dtype and rounded to DT (x's) for the product, accumulated in ACC."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -59,10 +65,12 @@ def _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
                     mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # (BM, BK)
         q = tl.load(q_ptr + rk[:, None] * s_qk + rn[None, :] * s_qn,
                     mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # (BK, BN)
+        p = cast(p, DT)  # fp32 adapters on a bf16 model: rounded here, products on the tensor cores
+        q = cast(q, DT)
         if UPCAST:  # interpreter: bf16 tl.dot is wrong there; float64 stays float64
             p = p.to(ACC)
             q = q.to(ACC)
-        if IEEE:  # fp32 adapters: full fp32 products, as cuBLAS does for eager, not tf32
+        if IEEE:  # fp32 models: full fp32 products, as cuBLAS does for eager, not tf32
             acc += tl.dot(p, q, input_precision="ieee")
         else:
             acc += tl.dot(p, q)
@@ -72,12 +80,12 @@ def _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
 # out (M, N) += scale * P (M, K) @ Q (K, N); out is the base GEMM's output, updated in place
 @triton.jit
 def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_pk, s_qk, s_qn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr,
                      ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
+                       BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     ptrs = out_ptr + rm[:, None] * s_om + rn[None, :] * s_on
     base = tl.load(ptrs, mask=mask, other=0.0).to(ACC)
@@ -91,14 +99,15 @@ def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_
 def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G, K_U, scale_g, scale_u,
                          s_xm, s_xk, s_bgk, s_bgn, s_buk, s_bun,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         GELU: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+                         IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     lg = _lowrank_tile(xa_ptr, bg_ptr, rm, rn, M, N, K_G, s_xm, s_xk, s_bgk, s_bgn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
+                       BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE)
     # the up adapter's xa_u sits K_G columns after xa_gate in the shared (M, K_G + K_U) buffer
     lu = _lowrank_tile(xa_ptr + K_G * s_xk, bu_ptr, rm, rn, M, N, K_U, s_xm, s_xk, s_buk, s_bun,
-                       BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
+                       BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None] * N + rn[None, :]  # g, u, h are contiguous (M, N)
     dt = h_ptr.dtype.element_ty
@@ -118,11 +127,12 @@ def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G,
 def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, keep_ptr, drop_scale, M, N, K,
                          s_dm, s_dk, s_ak, s_an,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DROP: tl.constexpr,
-                         GELU: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         GELU: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+                         IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = _lowrank_tile(dha_ptr, ad_ptr, rm, rn, M, N, K, s_dm, s_dk, s_ak, s_an,
-                       BLOCK_M, BLOCK_N, BLOCK_K, ACC, UPCAST, IEEE)
+                       BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None] * N + rn[None, :]
     if DROP:  # the adapter saw drop(h): its gradient reaches h only where h was kept
@@ -145,19 +155,22 @@ _LORA_GLU_FWD = _launch.FastKernel(_lora_glu_fwd_kernel)
 _LORA_GLU_BWD = _launch.FastKernel(_lora_glu_bwd_kernel)
 
 
-def _consts_of(ldt: torch.dtype, r, out_dtype: torch.dtype) -> dict:
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(r),
-                ACC=_common.acc(out_dtype if out_dtype == torch.float64 else ldt),
-                UPCAST=_common.dot_upcast(), IEEE=ldt == torch.float32)
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def _consts_of(dt: torch.dtype, r) -> dict:
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(r), DT=_TL[dt], ACC=_common.acc(dt),
+                UPCAST=_common.dot_upcast(), IEEE=dt == torch.float32)
 
 
 _consts_cached = functools.lru_cache(maxsize=256)(_consts_of)
 
 
-def _consts(ldt: torch.dtype, r, out_dtype: torch.dtype) -> dict:
-    """The constexpr keywords of a launch (cached: the same few per model; only ever unpacked;
-    a symbolic rank under the op layer's fakes is not hashable and is not cached)."""
-    return _consts_cached(ldt, r, out_dtype) if type(r) is int else _consts_of(ldt, r, out_dtype)
+def _consts(dt: torch.dtype, r) -> dict:
+    """The constexpr keywords of a launch whose products take ``dt`` (x's dtype) as operands
+    (cached: the same few per model; only ever unpacked; a symbolic rank under the op layer's
+    fakes is not hashable and is not cached)."""
+    return _consts_cached(dt, r) if type(r) is int else _consts_of(dt, r)
 
 
 def _grid(m, n):
@@ -170,7 +183,7 @@ def lora_add_(out, p, q, scale: float):
     if m and n:
         _LORA_ADD[_grid(m, n)](out, p, q, m, n, p.shape[1], float(scale), out.stride(0), out.stride(1),
                                       p.stride(0), p.stride(1), q.stride(0), q.stride(1),
-                                      **_consts(p.dtype, p.shape[1], out.dtype), num_warps=4)
+                                      **_consts(out.dtype, p.shape[1]), num_warps=4)
     return out
 
 
@@ -199,37 +212,64 @@ def _no_masks(masks) -> bool:
     return True
 
 
+def _mm(a, b, out_dtype: torch.dtype):
+    """a @ b accumulated in fp32 (fp64 for fp64), written in ``out_dtype``: an adapter's gradient
+    in the adapter's dtype from x-dtype operands. On CUDA, bf16/fp16 operands with an fp32 result
+    are one cuBLAS call (``mm`` with ``out_dtype``); the CPU has no such ``mm``: the product runs
+    in the wider dtype there."""
+    if a.dtype == out_dtype:
+        return a @ b
+    if a.is_cuda and out_dtype == torch.float32 and a.dtype in _HALF:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    wide = torch.promote_types(a.dtype, out_dtype)
+    return (a.to(wide) @ b.to(wide)).to(out_dtype)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _in_dt(t, dt):
+    return t if t.dtype == dt else t.to(dt)
+
+
 def _adapter_in(x2, a_list, masks, ps):
-    """x a^T for several adapters reading x, in the adapter dtype. Without dropout one GEMM reads
-    x once for all: ((M, sum r_p), the stacked A (sum r_p, H)). With dropout one GEMM per adapter
-    on its dropped-out input: ([(M, r_p) per adapter], None); nothing is stacked."""
+    """x a^T for several adapters reading x, in x's dtype (each A rounded to it). Without dropout
+    one GEMM reads x once for all: ((M, sum r_p), the stacked A (sum r_p, H) in x's dtype). With
+    dropout one GEMM per adapter on its dropped-out input: ([(M, r_p) per adapter], None)."""
+    dt = x2.dtype
     if _no_masks(masks):
-        a_cat = torch.cat(a_list)  # (R, H)
-        return x2.to(a_cat.dtype) @ a_cat.t(), a_cat
-    xl = x2.to(a_list[0].dtype)
-    return [_drop(xl, m, p) @ a.t() for a, m, p in zip(a_list, masks, ps)], None
+        a_cat = _in_dt(torch.cat(a_list), dt)  # (R, H)
+        return x2 @ a_cat.t(), a_cat
+    return [_drop(x2, m, p) @ _in_dt(a, dt).t() for a, m, p in zip(a_list, masks, ps)], None
 
 
 def _adapter_grads(x2, dxa, a_cat, cuts, masks, ps, ldt):
-    """[d a_p] for adapters reading x: dxa_p^T drop_p(x). Without dropout ``dxa`` is (M, R) and
-    one GEMM gives all; with dropout it is the list of (M, r_p), one GEMM each."""
-    xl = x2.to(ldt)
+    """[d a_p] for adapters reading x: dxa_p^T drop_p(x), in the adapters' dtype ``ldt``. Without
+    dropout ``dxa`` is (M, R) and one GEMM gives all; with dropout it is the list of (M, r_p)."""
     if a_cat is not None:
-        ga = dxa.t() @ xl  # (R, H)
+        ga = _mm(dxa.t(), x2, ldt)  # (R, H)
         return [ga[cuts[i]:cuts[i + 1]] for i in range(len(masks))]
-    return [d.t() @ _drop(xl, m, p) for d, m, p in zip(dxa, masks, ps)]
+    return [_mm(d.t(), _drop(x2, m, p), ldt) for d, m, p in zip(dxa, masks, ps)]
 
 
 def _add_adapter_dx_(gx, dxa, a_cat, a_list, masks, ps):
     """gx (M, H) += sum_p drop_p(dxa_p a_p), the adapters' path of d x (``dxa`` as in
-    :func:`_adapter_grads`)."""
+    :func:`_adapter_grads`, in x's dtype)."""
     if a_cat is not None:
-        return gx.addmm_(dxa.to(gx.dtype), a_cat.to(gx.dtype))  # one cuBLAS call, beta = 1
-    lo = None  # with dropout each adapter has its own mask: summed in the adapter dtype, added once
+        return gx.addmm_(dxa, a_cat)  # one cuBLAS call, beta = 1
     for d, a, m, p in zip(dxa, a_list, masks, ps):
-        t = _drop(d @ a, m, p)  # (M, H)
-        lo = t if lo is None else lo.add_(t)
-    return gx.add_(lo)
+        gx.add_(_drop(d @ _in_dt(a, gx.dtype), m, p))
+    return gx
+
+
+def _dxa(g2, b, s):
+    """d xa = s g B, (M, r) in g's dtype (B rounded to it)."""
+    return (g2 @ _in_dt(b, g2.dtype)).mul_(s)
+
+
+def _grad_b(g2, xa, s, ldt):
+    """d B = s g^T xa, (N, r) in the adapter's dtype."""
+    return _mm(g2.t(), xa, ldt).mul_(s)
 
 
 # ---------------------------------------------------------------------------------------- qkv
@@ -309,10 +349,9 @@ def qkv_bwd(inputs, res, grads, needs, *, scales, ps):
                 continue
             w, b = t[f"w_{p}"], t[f"b_{p}"]
             g2 = g.reshape(-1, g.shape[-1])  # (M, N_p)
-            gl = g2.to(ldt)
-            dxa_parts.append((gl @ b).mul_(s))
+            dxa_parts.append(_dxa(g2, b, s))
             if needs[f"b_{p}"]:
-                out[f"b_{p}"] = (gl.t() @ xa_p).mul_(s)  # d B_p = s g_p^T xa_p   (N_p, r_p)
+                out[f"b_{p}"] = _grad_b(g2, xa_p, s, ldt)  # d B_p = s g_p^T xa_p   (N_p, r_p)
             if needs["x"]:
                 gx = g2 @ w if gx is None else gx.addmm_(g2, w)  # base path, accumulated in place
         # (M, R) for the one GEMM without dropout; with dropout each part is used on its own
@@ -442,7 +481,7 @@ def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
         m_d = drop_spec.rows(mask_down, w_gate.shape[0])
         x2 = _rows(x)  # (M, H)
         m, inter, r, r_u = x2.shape[0], w_gate.shape[0], a_gate.shape[0], a_up.shape[0]
-        ldt = a_gate.dtype
+        dt = x2.dtype
         xa, a_gu = _adapter_in(x2, (a_gate, a_up), (m_g, m_u), ps[:2])  # (M, r + r_u), (r + r_u, H)
         if a_gu is None:  # with dropout, one product each: the kernel reads both from one buffer
             xa = torch.cat(xa, dim=1)
@@ -453,8 +492,8 @@ def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
             _LORA_GLU_FWD[_grid(m, inter)](
                 g, u, h, xa, b_gate, b_up, m, inter, r, r_u, s_g, s_u, xa.stride(0), xa.stride(1),
                 b_gate.stride(1), b_gate.stride(0), b_up.stride(1), b_up.stride(0),
-                GELU=gelu, **_consts(ldt, max(r, r_u), x2.dtype), num_warps=4)
-        ha = _drop(h.to(ldt), m_d, ps[2]) @ a_down.t()  # (M, r)
+                GELU=gelu, **_consts(dt, max(r, r_u)), num_warps=4)
+        ha = _drop(h, m_d, ps[2]) @ _in_dt(a_down, dt).t()  # (M, r)
         y = h @ w_down.t()  # (M, H)
         lora_add_(y, ha, b_down.t(), s_d)
         res = (g, u, xa, ha) if a_gu is None else (g, u, xa, ha, a_gu)
@@ -478,10 +517,9 @@ def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
         ldt = t["a_gate"].dtype
         out = {}
         dy2 = dy.reshape(-1, dy.shape[-1])  # (M, H)
-        dyl = dy2.to(ldt)
-        dha = (dyl @ b_down).mul_(s_d)  # (M, r)
+        dha = _dxa(dy2, b_down, s_d)  # (M, r)
         if needs["b_down"]:
-            out["b_down"] = (dyl.t() @ ha).mul_(s_d)  # (H, r)
+            out["b_down"] = _grad_b(dy2, ha, s_d, ldt)  # (H, r)
         dh = dy2 @ w_down  # (M, I); becomes h after the kernel
         dg = _common.empty_like(g)
         du = _common.empty_like(u)
@@ -489,19 +527,18 @@ def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
             _LORA_GLU_BWD[_grid(m, inter)](
                 dh, g, u, dg, du, dha, a_down, dha if m_d is None else m_d.view(torch.uint8),
                 drop_spec.scale(ps[2]), m, inter, a_down.shape[0], dha.stride(0), dha.stride(1), a_down.stride(0),
-                a_down.stride(1), DROP=m_d is not None, GELU=gelu, **_consts(ldt, a_down.shape[0], g.dtype),
+                a_down.stride(1), DROP=m_d is not None, GELU=gelu, **_consts(g.dtype, a_down.shape[0]),
                 num_warps=4)
         h = dh
         if needs["a_down"]:
-            out["a_down"] = dha.t() @ _drop(h.to(ldt), m_d, ps[2])  # (r, I)
-        dgl, dul = dg.to(ldt), du.to(ldt)
-        dxa = [(dgl @ b_gate).mul_(s_g), (dul @ b_up).mul_(s_u)]  # (M, r), (M, r_u)
+            out["a_down"] = _mm(dha.t(), _drop(h, m_d, ps[2]), ldt)  # (r, I)
+        dxa = [_dxa(dg, b_gate, s_g), _dxa(du, b_up, s_u)]  # (M, r), (M, r_u)
         if a_gu is not None:
             dxa = torch.cat(dxa, dim=1)  # (M, r + r_u): one GEMM each below
         if needs["b_gate"]:
-            out["b_gate"] = (dgl.t() @ xa[:, :r]).mul_(s_g)  # (I, r)
+            out["b_gate"] = _grad_b(dg, xa[:, :r], s_g, ldt)  # (I, r)
         if needs["b_up"]:
-            out["b_up"] = (dul.t() @ xa[:, r:]).mul_(s_u)
+            out["b_up"] = _grad_b(du, xa[:, r:], s_u, ldt)
         cuts, masks = (0, r, xa.shape[1]), (m_g, m_u)
         if needs["a_gate"] or needs["a_up"]:
             out["a_gate"], out["a_up"] = _adapter_grads(x2, dxa, a_gu, cuts, masks, ps[:2], ldt)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import forge_triton  # noqa: F401  (first: sets TRITON_INTERPRET before anything imports triton)
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from forge import ops
 from forge.spec import lora_dropout
@@ -137,13 +138,55 @@ def test_one_row(dtype, device):
     _check("lora_mlp", "triton", mlp_spec.reference, mlp_case(ONE_ROW["mlp"], 16, "silu", dtype, device))
 
 
+# the Llama-3.1-8B widths (hidden 4096, 8 KV heads of 128, intermediate 14336) at 2048 tokens, r 16
+LLAMA8B = {"qkv": ((2, 1024), 4096, 4096, 1024), "mlp": ((2, 1024), 4096, 14336)}
+ADAPTER_SHAPES = [pytest.param((QKV_CPU["odd"], MLP_CPU["odd"]), id="odd"),
+                  pytest.param((LLAMA8B["qkv"], LLAMA8B["mlp"]), id="llama8b", marks=pytest.mark.gpu)]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fp32_adapters_on_bf16(backend, device):
-    # peft's default for a bf16 model: adapters autocast to fp32, LoRA path in fp32, sum in bf16
-    _check("lora_qkv", backend, qkv_spec.reference,
-           qkv_case(QKV_CPU["odd"], 8, True, torch.bfloat16, device, adapter_dtype=torch.float32))
+@pytest.mark.parametrize("shapes", ADAPTER_SHAPES)
+def test_fp32_adapters_on_bf16(backend, shapes, device):
+    # peft's default for a bf16 model: fp32 adapters, read in bf16 (tensor-core products with fp32
+    # accumulation), fp32 gradients for them, the sum in bf16
+    qkv = qkv_case(shapes[0], 16, True, torch.bfloat16, device, adapter_dtype=torch.float32)
+    errs = _check("lora_qkv", backend, qkv_spec.reference, qkv)
+    assert all(qkv["tensors"][n].dtype == torch.float32 for n in ("a_q", "b_v"))  # (check_op compares grad dtypes)
     _check("lora_mlp", backend, mlp_spec.reference,
-           mlp_case(MLP_CPU["odd"], 16, "silu", torch.bfloat16, device, adapter_dtype=torch.float32))
+           mlp_case(shapes[1], 16, "silu", torch.bfloat16, device, adapter_dtype=torch.float32))
+    assert errs["da_q"] > 0
+
+
+class _Float32Tensors(TorchDispatchMode):
+    """Records every float32 tensor of at least ``n`` elements that an op returns."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.seen = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= self.n:
+                self.seen.append(f"{func}: {tuple(t.shape)}")
+        return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_adapters_make_no_fp32_activations(backend, device):
+    # the adapter path reads x in bf16: no float32 copy of a (tokens x width) activation in
+    # forward or backward (the fp32 adapters' own gradients, r x width, are far smaller)
+    for key, case in (("lora_qkv", qkv_case(LLAMA8B["qkv"], 16, True, BF16, device, adapter_dtype=F32)),
+                      ("lora_mlp", mlp_case(LLAMA8B["mlp"], 16, "silu", BF16, device, adapter_dtype=F32))):
+        leaves = {n: t.clone().requires_grad_(n in case["diff"]) for n, t in case["tensors"].items()}
+        tokens = leaves["x"].numel() // leaves["x"].shape[-1]
+        with _Float32Tensors(tokens * 256) as seen:
+            outs = ops.get(key, backend)(**leaves, **case["kwargs"])
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
+        assert not seen.seen, f"{key}: float32 activations {seen.seen[:4]}"
+        assert all(leaves[n].grad.dtype == F32 for n in case["diff"] if n != "x")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -186,9 +186,11 @@ def _masks(x, names, ps, widths) -> dict:
     return out
 
 
-def _cast(dtype, *ts):
-    # autocast's casts, done here once (differentiable: fp32 adapters get fp32 gradients)
-    return [t if t is None or t.dtype == dtype else t.to(dtype) for t in ts]
+def _cast(dtype, names, ts):
+    """Autocast's casts of x and the base weights, done here once; the adapters stay as they are
+    (the kernels read them in x's dtype and give them gradients in their own)."""
+    return [t if t is None or t.dtype == dtype or n.startswith(("a_", "b_")) else t.to(dtype)
+            for n, t in zip(names, ts)]
 
 
 # ------------------------------------------------------------------------------------ mlp
@@ -208,7 +210,7 @@ def _mlp_forward(kernel, act, lora_linear, ks):
             return type(self).forward(self, x, *args, **kwargs)
         ts = (x, wg, ag, bg, wu, au, bu, wd, ad, bd)
         if torch.is_autocast_enabled(x.device.type):
-            ts = _cast(cd, *ts)
+            ts = _cast(cd, _MLP_NAMES, ts)
         drop = _masks(x, ("gate", "up", "down"), ps, (x.shape[-1], x.shape[-1], wg.shape[0]))
         if not _compiling():
             ks.fused += 1
@@ -231,7 +233,7 @@ def _qkv_forwards(kernel, lora_linear, ks):
             return None
         ts = [x] + [t for w, bias, a, b, _, _ in ps for t in (w, bias, a, b)]
         if torch.is_autocast_enabled(x.device.type):
-            ts = _cast(cd, *ts)
+            ts = _cast(cd, _QKV_NAMES, ts)
         drop = _masks(x, "qkv", ps, (x.shape[-1],) * 3)
         # every tensor bound to its spec name (forge.spec.lora_qkv.TENSORS)
         return kernel(**dict(zip(_QKV_NAMES, ts)), scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4], **drop)

@@ -7,8 +7,8 @@ The fused kernels take that mask as an argument instead of drawing it, per proje
     mask_p: bool, the shape of the projection's input, True where an element is kept
     dropout_p: float in [0, 1], the probability the mask was drawn with
 
-    dropped = x.to(a_p.dtype) * mask_p * (1 / (1 - dropout_p))   # = apply(x.to(a_p.dtype), mask_p, dropout_p)
-    lora_p  = F.linear(F.linear(dropped, a_p), b_p) * scale_p
+    dropped = x * mask_p * (1 / (1 - dropout_p))   # = apply(x, mask_p, dropout_p), x's dtype
+    lora_p  = F.linear(F.linear(dropped, a_p.to(x.dtype)), b_p.to(x.dtype)) * scale_p
 
 ``mask_p=None`` means no dropout (``dropout_p`` must then be 0): the kernels take exactly the
 path they take without these arguments. A bool mask costs one byte an element and is all that

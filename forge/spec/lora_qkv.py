@@ -8,18 +8,20 @@ Signature (every backend)::
 
     x: (..., H)   w_p: (N_p, H) frozen base weight   bias_p: (N_p,) frozen, or None
     a_p: (r_p, H) lora_A.weight   b_p: (N_p, r_p) lora_B.weight   scale_p: float (alpha / r)
-    x, w_p, bias_p share one dtype; all a_p, b_p share one (possibly another, e.g. fp32); ranks
-    may differ per projection
+    x, w_p, bias_p share one dtype; all a_p, b_p share one (possibly another, e.g. peft's fp32);
+    ranks may differ per projection
     mask_p: bool (..., H) keep-mask of peft's lora_dropout on p's adapter input, or None (no
     dropout); dropout_p: its probability (forge/spec/lora_dropout.py)
 
-Equivalent torch, per projection p, as peft computes it (the LoRA path runs in the adapter's
-dtype, which peft keeps in fp32 for a bf16 model by default; the sum is rounded to x's dtype)::
+Equivalent torch, per projection p. The adapter path runs in x's dtype: a_p and b_p are rounded
+to it first (peft keeps adapters in fp32 on a bf16 model and computes this path in fp32; forge
+runs its products on bf16/fp16 operands with fp32 accumulation, on the tensor cores, and hands
+fp32 adapters fp32 gradients)::
 
     base = F.linear(x, w_p, bias_p)                                     # (..., N_p), x.dtype
-    xd_p = lora_dropout.apply(x.to(a_p.dtype), mask_p, dropout_p)      # x.to(a_p.dtype) if no mask
-    lora = F.linear(F.linear(xd_p, a_p), b_p) * scale_p                 # (..., N_p), a_p.dtype
-    p = (base + lora).to(x.dtype)
+    xd_p = lora_dropout.apply(x, mask_p, dropout_p)                    # x if no mask
+    lora = F.linear(F.linear(xd_p, a_p.to(x.dtype)), b_p.to(x.dtype)) * scale_p
+    p = base + lora                                                     # x.dtype
 
 Gradients flow to x and to every a_p and b_p. The base weights and biases are frozen: kernels
 compute no gradient for them and raise ValueError if one requires grad while grad is enabled
@@ -31,6 +33,10 @@ compute no gradient for them and raise ValueError if one requires grad while gra
     d a_p  = d xa_p^T xd_p                              (r_p, H)
     d x    = sum_p (g_p w_p + drop_p(d xa_p a_p))       accumulated once, base and LoRA paths
                                                         (drop_p = lora_dropout.apply with mask_p)
+
+every product with x's dtype as operands (a_p, b_p rounded to it) and fp32 accumulation; d a_p
+and d b_p are written in the adapter's dtype (fp32 for peft's fp32 adapters, never rounded
+through x's dtype).
 """
 from __future__ import annotations
 
@@ -100,10 +106,11 @@ def frozen(grad_enabled: bool, **named) -> None:
 
 
 def project(x, w, bias, a, b, scale, mask=None, p=0.0):
-    """One peft LoRA linear: the reference for a single projection (also used by lora_mlp)."""
+    """One LoRA linear, its adapter rounded to x's dtype: the reference for a single projection
+    (also used by lora_mlp). The rounding is differentiable: fp32 adapters get fp32 gradients."""
     base = F.linear(x, w, bias)
-    lora = F.linear(F.linear(lora_dropout.apply(x.to(a.dtype), mask, p), a), b) * scale
-    return (base + lora).to(x.dtype)
+    lora = F.linear(F.linear(lora_dropout.apply(x, mask, p), a.to(x.dtype)), b.to(x.dtype)) * scale
+    return base + lora
 
 
 def reference(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
