@@ -11,7 +11,7 @@ against the same call inside a torch.compile'd function (where it runs as a forg
 
 Prints only. The defaults are train 4x1024 of Qwen2.5-0.5B (4096 x 896, vocabulary 151936).
 
-    python bench/diag_loss_host.py [--rows 4096 --hidden 896 --vocab 151936] [--backend triton]
+    python bench/diagnostics/diag_loss_host.py [--rows 4096 --hidden 896 --vocab 151936] [--backend triton]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import sys  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 
 import torch  # noqa: E402
 
