@@ -210,3 +210,10 @@ def test_the_checker_finds_a_circle_through_a_function_level_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _circles(graph) == [["a", "b", "c", "a"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_bridge_keeps_its_files_short():
+    # one concern per file (bridge/native/ is split by concern): none grows past 500 lines
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "bridge").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long

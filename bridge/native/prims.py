@@ -53,7 +53,7 @@ _SMALL: dict = {}  # (value, shape, dtype, device) -> a constant int tensor (row
 def _small_const(x, shape, dtype, dev):
     """A few ints as a device tensor, made once per device: the row-count operands of the
     kernels (forge_pallas/_common.rows_operand) would otherwise cost a fill kernel per call.
-    Nothing writes them (``_pallas_step`` copies one an output would alias). Not kept when made
+    Nothing writes them (``launch.pallas_step`` copies one an output would alias). Not kept when made
     inside a CUDA-graph capture (the graph's memory pool owns it)."""
     key = (x, shape, dtype, dev)
     t = _SMALL.get(key)
@@ -183,7 +183,7 @@ PRIMS = {
 }
 
 
-# the parameters each entry of _PRIMS reads (a recipe keeps these, as plain data, and no others)
+# the parameters each entry of PRIMS reads (a recipe keeps these, as plain data, and no others)
 PARAMS = {
     "convert_element_type": ("new_dtype",),
     "reshape": ("new_sizes", "dimensions"),
