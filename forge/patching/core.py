@@ -39,7 +39,7 @@ import weakref
 
 from torch import nn
 
-from .. import errors, ops
+from .. import defaults, errors, ops
 from ..spec import KERNELS, lora_dropout
 from . import arch as _arch
 from . import decode as _decode
@@ -222,9 +222,11 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     backends = p.backends()
     info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
                  {b: b != TORCH and ops.interpreted(b) for b in set(backends.values())})
+    # (the default table is not bound: a copy loaded elsewhere reads that process's defaults)
     call = functools.partial(patch, mode=mode, backend=backend_req, min_elements=min_req,
                              kernels=requested if explicit else None, graphs=graphs, recompute_mlp=recompute_mlp,
-                             compile_kernels=compile_kernels, min_fused=min_fused)
+                             compile_kernels=compile_kernels,
+                             min_fused=None if min_fused is defaults.MIN_FUSED_ELEMENTS else min_fused)
     state = _State(args[:7], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
     root.__dict__["_forge_state"] = state
     copying.publish(state, chain, _PUBLIC)
