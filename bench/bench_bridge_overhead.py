@@ -1,4 +1,4 @@
-"""What a Pallas call costs: host time per call, natively launched (bridge/native.py) and through
+"""What a Pallas call costs: host time per call, natively launched (bridge/native/) and through
 JAX and DLPack, against forge's Triton call, per kernel, with the DLPack path's parts (torch->jax
 import, jit dispatch, jax->torch export); and the Pallas kernels' device time against Triton's,
 forward and backward, at the GPU shapes of forge/spec/shapes.py (torch.profiler with CUDA
@@ -104,7 +104,9 @@ def host_rows(key, dev, plan, quick=False):
     """Host time per call on tiny inputs (GPU work negligible: the loop is host-bound)."""
     iters, warmup, rounds = plan
     reps = 1 if rounds == 1 else 5
-    from bridge import core, kernels
+    import jax
+
+    from bridge import dlpack, kernels
 
     tiny = _table(key, True)["tiny"] if quick else {
         "rmsnorm": (8, 896), "swiglu": (8, 896), "geglu": (8, 896), "rope": (1, 14, 2, 8, 64)}[key]
@@ -128,15 +130,15 @@ def host_rows(key, dev, plan, quick=False):
     kdef = getattr(kernels, key.upper())
     x = args[0].contiguous()
     parts = {
-        "torch->jax import (fast path)": lambda: core._import_fast(x),
-        "torch->jax jax.dlpack.from_dlpack": lambda: core._import_public(x),
+        "torch->jax import (fast path)": lambda: dlpack.import_fast(x),
+        "torch->jax jax.dlpack.from_dlpack": lambda: jax.dlpack.from_dlpack(x),
     }
     if key in ("swiglu", "geglu"):
-        jx = core._inputs_to_jax(kdef, args)
+        jx = dlpack.inputs_to_jax(kdef, args)
         fwd = kdef.fwd_fn(())
         out = fwd(*jx)[0][0]
         parts["jit dispatch (jax arrays in, out)"] = lambda: fwd(*jx)
-        parts["jax->torch torch.from_dlpack"] = lambda: core.to_torch(out)
+        parts["jax->torch torch.from_dlpack"] = lambda: torch.from_dlpack(out)
     for name, fn in parts.items():
         rows.append({"kernel": key, "measure": "part: " + name, "shape": str(tuple(x.shape)),
                      "dtype": "bfloat16", "pallas_us": bc.wall_us(fn, iters=iters, warmup=warmup, reps=reps)})

@@ -137,7 +137,7 @@ _CHILD = textwrap.dedent("""
     st = native.status()
     tm = native.timings()
     print("RESULT " + json.dumps({
-        "jax_ms": jax_ms, "get_ms": get_ms, "cublas_ms": cublas_ms, "torch_ref_ms": torch_ref_ms, "fwd_ms": 1e3 * (t1 - t0), "fwd_bwd_ms": 1e3 * (t2 - t1), "traces": native._TRACES[0],
+        "jax_ms": jax_ms, "get_ms": get_ms, "cublas_ms": cublas_ms, "torch_ref_ms": torch_ref_ms, "fwd_ms": 1e3 * (t1 - t0), "fwd_bwd_ms": 1e3 * (t2 - t1), "traces": st["traces"],
         "trace_ms": 1e3 * tm["trace"], "lower_ms": 1e3 * tm["lower"], "compile_ms": 1e3 * tm["compile"],
         "build_ms": 1e3 * tm["build"], "bwd_build_ms": 1e3 * (tm["build"] - before["build"]),
         "plans": st["plans"], "kernels": st["kernels"], "compiles": st["compiles"],

@@ -5,10 +5,13 @@ of Python per call is ~1.4 ms per forward. This times, at a tiny shape (the GPU 
 kernel long before the host issues the next), a stream of calls of:
 
   eager        the torch ops the kernel replaces (HF's RMSNorm module, silu(g) * u)
-  launch       the raw ``kernel[grid](...)`` launch into a preallocated output (Triton's path)
-  fast         the same launch through forge_triton._launch.FastKernel (forge's path)
+  body         the kernel's forward body (``forge_triton.rmsnorm.rmsnorm_fwd``,
+               ``forge_triton.glu.glu_fwd``): its outputs allocated and the kernel launched
+               through forge's direct launch path
+  body (triton launch)   the same with the launch through Triton's own ``kernel[grid](...)``
+               (``forge_triton.plain_launches()``): the difference is what forge's path saves
   alloc        the output allocation alone
-  check        the spec's argument checks + the device check
+  check        the spec's argument checks + the device check (``forge_triton.check_devices``)
   fn           the public function (checks, allocation, autograd.Function, launch), no grad
   fn+bwd       forward and backward of the public function; ``eager+bwd`` the same for eager
 
@@ -19,6 +22,7 @@ Writes host_overhead-<device>.{json,csv} into --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -56,40 +60,20 @@ def _with_bwd(fn, inputs):
 
 
 def cases(dev, dtype):
+    """(kernel, measure, fn, through Triton's own launch path) per row."""
+    import forge_triton
     from forge.spec import rmsnorm as rms_spec
     from forge.spec import swiglu as swi_spec
-    import importlib
-
-    # the modules (``forge_triton.rmsnorm`` the attribute is the function)
-    _common, glu, rmsnorm = (importlib.import_module(f"forge_triton.{m}") for m in ("_common", "glu", "rmsnorm"))
-
+    from forge_triton.glu import glu_fwd
+    from forge_triton.rmsnorm import rmsnorm_fwd
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
     rows, width, inter = 8, 896, 4864
     x = torch.randn(rows, width, device=dev, dtype=dtype)
     w = torch.ones(width, device=dev, dtype=dtype)
     hf = Qwen2RMSNorm(width, eps=1e-6).to(dev, dtype)
-    y = torch.empty_like(x)
-    rstd = torch.empty(rows, device=dev, dtype=torch.float32)
     g, u = (torch.randn(rows, inter, device=dev, dtype=dtype) for _ in range(2))
-    gy = torch.empty_like(g)
-    acc = _common.acc(dtype)
-
-    def rms_launch():
-        rmsnorm._rmsnorm_fwd_kernel[(rows,)](x, w, y, rstd, x.stride(0), y.stride(0), rows, width, 1e-6, 0.0,
-                                            BLOCK_M=1, BLOCK_N=1024, num_warps=4, GEMMA=False, ACC=acc)
-
-    def rms_fast():
-        rmsnorm._fwd[(rows,)](x, w, y, rstd, x.stride(0), y.stride(0), rows, width, 1e-6, 0.0,
-                              BLOCK_M=1, BLOCK_N=1024, num_warps=4, GEMMA=False, ACC=acc)
-
-    def glu_fast():
-        glu._fwd[(-(-g.numel() // glu.BLOCK),)](g, u, gy, g.numel(), BLOCK=glu.BLOCK, GELU=False, ACC=acc,
-                                                num_warps=8)
-
-    def glu_launch():
-        glu._glu_fwd_kernel[(-(-g.numel() // glu.BLOCK),)](g, u, gy, g.numel(), BLOCK=glu.BLOCK, GELU=False, ACC=acc,
-                                                  num_warps=8)
+    check_devices = forge_triton.check_devices
 
     def no_grad(fn, *a):
         def run():
@@ -97,22 +81,28 @@ def cases(dev, dtype):
                 fn(*a)
         return run
 
-    yield "rmsnorm", "eager", no_grad(hf, x)
-    yield "rmsnorm", "launch", rms_launch
-    yield "rmsnorm", "fast", rms_fast
-    yield "rmsnorm", "alloc", lambda: (torch.empty_like(x), torch.empty(rows, device=dev, dtype=torch.float32))
-    yield "rmsnorm", "check", lambda: (rms_spec.check(x, w, 1e-6, "llama", 0.0), _common.check_device(x=x, weight=w))
-    yield "rmsnorm", "fn", no_grad(rmsnorm.rmsnorm, x, w, 1e-6)
-    yield "rmsnorm", "eager+bwd", _with_bwd(lambda a, b: hf(a) * b, [x, w])
-    yield "rmsnorm", "fn+bwd", _with_bwd(lambda a, b: rmsnorm.rmsnorm(a, b, 1e-6), [x, w])
-    yield "swiglu", "eager", no_grad(lambda: F.silu(g) * u)
-    yield "swiglu", "launch", glu_launch
-    yield "swiglu", "fast", glu_fast
-    yield "swiglu", "alloc", lambda: torch.empty_like(g)
-    yield "swiglu", "check", lambda: (swi_spec.check(g, u), _common.check_device(gate=g, up=u))
-    yield "swiglu", "fn", no_grad(glu.swiglu, g, u)
-    yield "swiglu", "eager+bwd", _with_bwd(lambda a, b: F.silu(a) * b, [g, u])
-    yield "swiglu", "fn+bwd", _with_bwd(glu.swiglu, [g, u])
+    def rms_body():
+        rmsnorm_fwd(x, w, 1e-6, "llama", 0.0)
+
+    def glu_body():
+        glu_fwd(g, u, False)
+
+    yield "rmsnorm", "eager", no_grad(hf, x), False
+    yield "rmsnorm", "body (triton launch)", rms_body, True
+    yield "rmsnorm", "body", rms_body, False
+    yield "rmsnorm", "alloc", lambda: (torch.empty_like(x), torch.empty(rows, device=dev, dtype=torch.float32)), False
+    yield "rmsnorm", "check", lambda: (rms_spec.check(x, w, 1e-6, "llama", 0.0), check_devices(x=x, weight=w)), False
+    yield "rmsnorm", "fn", no_grad(forge_triton.rmsnorm, x, w, 1e-6), False
+    yield "rmsnorm", "eager+bwd", _with_bwd(lambda a, b: hf(a) * b, [x, w]), False
+    yield "rmsnorm", "fn+bwd", _with_bwd(lambda a, b: forge_triton.rmsnorm(a, b, 1e-6), [x, w]), False
+    yield "swiglu", "eager", no_grad(lambda: F.silu(g) * u), False
+    yield "swiglu", "body (triton launch)", glu_body, True
+    yield "swiglu", "body", glu_body, False
+    yield "swiglu", "alloc", lambda: torch.empty_like(g), False
+    yield "swiglu", "check", lambda: (swi_spec.check(g, u), check_devices(gate=g, up=u)), False
+    yield "swiglu", "fn", no_grad(forge_triton.swiglu, g, u), False
+    yield "swiglu", "eager+bwd", _with_bwd(lambda a, b: F.silu(a) * b, [g, u]), False
+    yield "swiglu", "fn+bwd", _with_bwd(forge_triton.swiglu, [g, u]), False
 
 
 def main(argv=None):
@@ -126,15 +116,18 @@ def main(argv=None):
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     calls = 3 if args.quick else args.calls
     rows = []
-    for kernel, what, fn in cases(dev, dtype):
-        us = _per_call_us(fn, calls, reps=1 if args.quick else 5)
+    import forge_triton
+
+    for kernel, what, fn, plain in cases(dev, dtype):
+        with forge_triton.plain_launches() if plain else contextlib.nullcontext():
+            us = _per_call_us(fn, calls, reps=1 if args.quick else 5)
         rows.append(dict(kernel=kernel, measure=what, us_per_call=us))
     bc.print_table(rows, ["kernel", "measure", "us_per_call"])
     if args.profile:
         import cProfile
         import pstats
 
-        for kernel, what, fn in cases(dev, dtype):
+        for kernel, what, fn, _ in cases(dev, dtype):
             if what != "fn+bwd":
                 continue
             fn()

@@ -1,4 +1,4 @@
-"""Everything the native launch path (``bridge/native.py``) takes from JAX's private modules.
+"""Everything the native launch path (``bridge/native/``) takes from JAX's private modules.
 
 The native path needs one thing JAX has no public API for: the Triton IR (TTIR) that Pallas'
 Triton lowering makes of a ``pallas_call``. JAX builds it inside the ``pallas_call`` lowering

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import core, runtime
+from . import core, dlpack, runtime
 
 install = core.install
 
@@ -57,7 +57,7 @@ def wrapped(body):
 
 
 def _prepared(kdef, tensors):
-    return tuple(None if t is None else core._prepare(t, i, kdef.name) for i, t in enumerate(tensors))
+    return tuple(None if t is None else dlpack.prepare(t, i, kdef.name) for i, t in enumerate(tensors))
 
 
 def run_fwd(kdef, tensors, static):
@@ -182,6 +182,6 @@ def fake_bwd(kdef, inputs, res, grads, needs, static, dtypes):
     device = grads[0].device
     fn = kdef.py_fn("bwd", tuple(static.items()), nt)
     dins = _shape_eval(fn, _prepared(kdef, inputs), tuple(res),
-                       tuple(core._prepare(g, i, kdef.name) for i, g in enumerate(grads)))
+                       tuple(dlpack.prepare(g, i, kdef.name) for i, g in enumerate(grads)))
     return {str(i): torch.empty(d[0], dtype=in_dtypes[i], device=device)
             for i, d in enumerate(dins) if nt[i] and d is not None}

@@ -1,5 +1,6 @@
-"""The torch <-> JAX bridge: ONE autograd.Function for every Pallas kernel, its two transports
-(native launch on torch's stream, ``bridge/native.py``; JAX and DLPack), and the compile cache.
+"""The torch <-> JAX bridge: ONE autograd.Function for every Pallas kernel, choosing per call
+between its two transports (native launch on torch's stream, ``bridge/native/``; JAX and
+DLPack, ``bridge/dlpack.py``), and the cache of jitted passes.
 
 Registering a kernel (the whole API; other modules of ``bridge`` do exactly this)::
 
@@ -18,7 +19,7 @@ Registering a kernel (the whole API; other modules of ``bridge`` do exactly this
         return core.apply(RMSNORM, x, weight, eps=float(eps), casting=casting, offset=float(offset))
 
 ``fwd`` and ``bwd`` are plain JAX functions (they call the ``pallas_call`` s). Where the native
-path serves them (a CUDA device, bridge/native.py), each pass runs as a plan of Triton-compiled
+path serves them (a CUDA device, ``bridge/native/``), each pass runs as a plan of Triton-compiled
 ``pallas_call`` s and torch ops on torch's current stream. Otherwise (CPU interpret mode, a pass
 the native path declines) the bridge ``jax.jit`` s them with the static keyword arguments bound, so jit's own cache is keyed by
 (kernel, static args, shapes, dtypes) and a repeated call costs only dispatch. ``inputs`` in
@@ -31,20 +32,9 @@ for an input without a gradient. Optional fields: ``save`` (input positions ``bw
 ``needs_mask=True`` to receive ``needs=(bool, ...)`` (which inputs want a gradient; static) in
 ``bwd``, so frozen weights skip their gradient kernels.
 
-Transport: inputs are exported as detached views (torch refuses to export a tensor that requires
-grad), made contiguous if they are not (DLPack import needs compact strides), copied if they do
-not start ``ALIGN``-byte aligned (JAX's GPU runtime would not copy them; see ``to_jax``) and
-imported with ``jax.dlpack.from_dlpack`` semantics: zero copy, and JAX's stream waits for what
-torch queued on its current stream. Outputs come back with ``torch.from_dlpack``, which makes torch's current
-stream wait for JAX's. Memory and stream safety across the two allocators rest on two rules every kernel keeps:
-(1) each launch imports its torch tensors afresh (nothing is cached), so JAX's stream is
-ordered after everything torch queued before the call, including reads of JAX-owned outputs
-that torch has since freed (JAX may reuse that memory at once); (2) every output and residual
-goes through ``torch.from_dlpack`` before the call returns, so torch's stream is ordered after
-the JAX computation, which may still be reading torch memory that the caller frees next.
-Decisions on dtypes (both paths): int64 inputs are narrowed to int32 in torch when JAX
-runs without x64 (JAX would otherwise copy them silently; indices and labels fit in int32);
-float64 inputs without x64 raise TypeError (JAX would silently compute in float32).
+Transport: the DLPack path's rules (zero-copy imports afresh on every call, every output through
+``torch.from_dlpack`` before the call returns) and the dtype decisions both paths share
+(int64 narrowed to int32 without x64, float64 refused) are ``bridge/dlpack.py``'s.
 """
 from __future__ import annotations
 
@@ -55,7 +45,7 @@ import torch
 from forge import _runtime as _forge_runtime
 from forge.spec._check import refuse_double_backward
 
-from . import native, runtime
+from . import dlpack, native, runtime
 
 _through_ops = _forge_runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 
@@ -119,146 +109,6 @@ def registry() -> dict[str, KernelDef]:
 
 
 # ---------------------------------------------------------------------------------------------
-# torch -> jax
-
-
-@functools.cache
-def _device_info(dl_type: int, dev_id: int):
-    """(jax device, stream for external ready events) for a DLPack device; fixed per process."""
-    jax = runtime.jax_module()
-    from jax._src import xla_bridge
-
-    platform = "cpu" if dl_type == 1 else "cuda"
-    dev = xla_bridge.get_backend(platform).device_from_local_hardware_id(dev_id)
-    stream = None
-    if dl_type != 1:
-        try:
-            stream = dev.get_stream_for_external_ready_events()
-        except jax.errors.JaxRuntimeError:  # not implemented on this platform
-            stream = None
-    return dev, stream
-
-
-def _import_public(t):
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        with torch.cuda.device(t.device):  # torch exports only from the current device
-            return runtime.jax_module().dlpack.from_dlpack(t)
-    return runtime.jax_module().dlpack.from_dlpack(t)
-
-
-def _import_fast(t):
-    # jax.dlpack.from_dlpack minus its per-call Python (platform lookup, stream query, dtype
-    # canonicalisation, placement): the same C++ entry point, with per-device facts cached.
-    dl_type, dev_id = t.__dlpack_device__()
-    if dl_type != 1 and dl_type != 2:  # pinned host, ROCm, ...: let jax handle it
-        return _import_public(t)
-    dev, stream = _device_info(int(dl_type), dev_id)
-    if dl_type == 2 and dev_id != torch.cuda.current_device():
-        with torch.cuda.device(dev_id):  # torch exports only from the current device
-            cap = t.__dlpack__(stream=stream)
-    else:
-        cap = t.__dlpack__(stream=stream)
-    if _FAST_NEW_SIG:
-        return _jaxlib.dlpack_managed_tensor_to_buffer(cap, dev, stream, None, int(dl_type))
-    return _jaxlib.dlpack_managed_tensor_to_buffer(cap, dev, stream, None)
-
-
-try:  # private, checked against the public path on first use; falls back if anything differs
-    from jax._src.lib import _jax as _jaxlib
-    from jax._src.lib import jaxlib_extension_version as _ext
-
-    _FAST_NEW_SIG = _ext >= 467
-    _import = _import_fast
-except Exception:  # noqa: BLE001  (jax missing or moved: the public path still works)
-    _import = _import_public
-_import_checked = False
-
-
-def _check_fast_path(t):
-    global _import, _import_checked
-    _import_checked = True
-    if _import is _import_public:
-        return
-    try:
-        a = _import_fast(t)
-        ok = a.shape == tuple(t.shape) and str(a.dtype) == str(t.dtype).removeprefix("torch.")
-        if t.data_ptr() % 256 == 0:  # (a misaligned buffer is legitimately copied by JAX)
-            ok = ok and a.unsafe_buffer_pointer() == t.data_ptr()
-    except Exception:  # noqa: BLE001
-        ok = False
-    if not ok:
-        _import = _import_public
-
-
-def _prepare(t: torch.Tensor, pos: int, kname: str, detach: bool = True, compact: bool = True):
-    if detach and t.requires_grad:
-        t = t.detach()
-    if compact and not t.is_contiguous():
-        t = t.contiguous()
-    dt = t.dtype
-    if dt == torch.int64 or dt == torch.float64:
-        if not runtime.x64_enabled():
-            if dt == torch.int64:
-                t = t.to(torch.int32)
-            else:
-                raise TypeError(f"{kname}: input {pos} is float64 but JAX runs without x64; "
-                                "enable jax_enable_x64 or pass float32")
-    return t
-
-
-_WIDE = (torch.int64, torch.float64)
-
-
-def _prepare_all(tensors: tuple, kname: str, detach: bool = True) -> tuple:
-    """The dtype decisions of :func:`_prepare` (and the detach, unless ``detach=False``: inside
-    an autograd.Function autograd records nothing anyway) for a call that tries a native plan
-    first; ``tensors`` itself when none needs a change, checked without a call per tensor.
-    Strides are left as they are: a plan hands each kernel a compact tensor itself
-    (native._ready), and the DLPack path prepares what it exports (``to_jax``)."""
-    for t in tensors:
-        if (detach and t.requires_grad) or t.dtype in _WIDE:
-            return tuple([_prepare(t, i, kname, detach, compact=False) for i, t in enumerate(tensors)])
-    return tensors
-
-
-# Every buffer the bridge hands JAX starts at a multiple of this many bytes. JAX's GPU runtime
-# imports a DLPack tensor as a view wherever it points: only its CPU runtime copies a misaligned
-# one (jaxlib's dlpack import falls back to a copy for kDLCPU alone). XLA's GPU executable then
-# refuses an entry parameter that is not 16-byte aligned ("Address of buffer N must be a
-# multiple of ...", seen on the H200 for a weight 4 bytes into its storage), and the Pallas
-# kernels' lowering declares every pointer 32-byte aligned (tt.divisibility = 32), as the
-# native path's launches do (native._ready). The copy is made afresh on every call, like every
-# import, so an in-place update of the tensor (an optimizer step) reaches the next call.
-ALIGN = 32
-
-
-def to_jax(t: torch.Tensor, pos: int = 0, kname: str = "bridge"):
-    """A JAX view of ``t`` (after the dtype decisions in the module docstring): zero copy,
-    except for a tensor not :data:`ALIGN`-byte aligned, which JAX gets a fresh copy of."""
-    t = _prepare(t, pos, kname)
-    if t.data_ptr() % ALIGN:
-        t = t.clone()
-    if not _import_checked:
-        _check_fast_path(t)
-    return _import(t)
-
-
-def to_torch(a) -> torch.Tensor:
-    return torch.from_dlpack(a)
-
-
-def _inputs_to_jax(kdef, tensors):
-    # Every input is imported afresh on every call, weights too. A cache of weight views would
-    # save ~0.1 ms per weight and call, but (a) a tensor that cannot be aliased (an address not
-    # ALIGN-byte aligned, copied by to_jax; on the CPU JAX itself copies one not 64-byte
-    # aligned) is imported as a copy, so a cached copy misses every later in-place update (an
-    # optimizer step), and (b) a cached view pins its tensor's storage: torch keeps a tensor's
-    # Python object alive while the DLPack capsule holds it, so no weak reference ever tells
-    # the cache that the model is gone. The native path (bridge/native.py) imports nothing.
-    return tuple(to_jax(t, i, kdef.name) for i, t in enumerate(tensors))
-
-
-# ---------------------------------------------------------------------------------------------
 # the one autograd.Function
 #
 # What backward needs (the inputs in ``kdef.save`` and the residuals) is kept as torch tensors
@@ -271,7 +121,7 @@ def _inputs_to_jax(kdef, tensors):
 class _Bridged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kdef, skey, *tensors):
-        prepared = _prepare_all(tensors, kdef.name, detach=False)
+        prepared = dlpack.prepare_all(tensors, kdef.name, detach=False)
         p = native.plan(kdef, "fwd", skey, prepared)
         touts, tres = p(prepared) if p is not None else _run_fwd_dlpack(kdef, skey, prepared)
         ctx.plan = p
@@ -301,9 +151,9 @@ def run_bwd(kdef, skey, needs, inputs, residuals, grads, in_dtypes, fwd_plan=Non
     the forward's plan where it ran natively (its backward plans hang on it, one per ``needs``:
     autograd hands gradients in the outputs' shapes and dtypes, so the forward's signature is
     the backward's)."""
-    grads = _prepare_all(grads, kdef.name + " grad")
+    grads = dlpack.prepare_all(grads, kdef.name + " grad")
     args = (tuple(inputs), tuple(residuals), grads)
-    leaves = native._leaves(args)
+    leaves = native.leaves_of(args)
     p = None if fwd_plan is None else fwd_plan.bwd.get(needs)
     if p is None:
         p = native.plan(kdef, "bwd", (skey, needs), args, leaves)
@@ -313,10 +163,10 @@ def run_bwd(kdef, skey, needs, inputs, residuals, grads, in_dtypes, fwd_plan=Non
         dins = p(leaves)
     else:
         _refuse_capture(kdef, "bwd")
-        jx = tuple(None if t is None else to_jax(t, i, kdef.name) for i, t in enumerate(inputs))
-        res = tuple(to_jax(r) for r in residuals)
-        g = tuple(to_jax(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
-        dins = tuple(None if d is None else to_torch(d) for d in kdef.bwd_fn(skey, needs)(jx, res, g))
+        jx = tuple(None if t is None else dlpack.to_jax(t, i, kdef.name) for i, t in enumerate(inputs))
+        res = tuple(dlpack.to_jax(r) for r in residuals)
+        g = tuple(dlpack.to_jax(gr, i, kdef.name + " grad") for i, gr in enumerate(grads))
+        dins = tuple(None if d is None else dlpack.to_torch(d) for d in kdef.bwd_fn(skey, needs)(jx, res, g))
     out = []
     for i, d in enumerate(dins):
         if d is None or not needs[i]:
@@ -336,7 +186,7 @@ def _refuse_capture(kdef, which):
 
 def _run_fwd(kdef, skey, tensors):
     """(outputs, residuals) of ``kdef``'s forward as torch tensors: natively launched where a
-    plan serves it (bridge/native.py), through JAX and DLPack otherwise."""
+    plan serves it (bridge.native), through JAX and DLPack otherwise."""
     p = native.plan(kdef, "fwd", skey, tensors)
     if p is not None:  # (detached, or inside an autograd.Function: the plan's torch steps record nothing)
         return p(tensors)  # (outputs tuple, residuals tuple)
@@ -345,8 +195,8 @@ def _run_fwd(kdef, skey, tensors):
 
 def _run_fwd_dlpack(kdef, skey, tensors):
     _refuse_capture(kdef, "fwd")
-    outs, res = kdef.fwd_fn(skey)(*_inputs_to_jax(kdef, tensors))
-    return tuple(to_torch(o) for o in outs), tuple(to_torch(r) for r in res)
+    outs, res = kdef.fwd_fn(skey)(*dlpack.inputs_to_jax(kdef, tensors))
+    return tuple(dlpack.to_torch(o) for o in outs), tuple(dlpack.to_torch(r) for r in res)
 
 
 _TRACED = None  # the op layer's entry under torch.compile (forge.ops.library installs it)
@@ -378,5 +228,5 @@ def apply(kdef: KernelDef, *tensors, **static):
     if torch.is_grad_enabled() and any(tensors[i].requires_grad for i in kdef.diff):
         return _Bridged.apply(kdef, skey, *tensors)
     # no autograd graph to build: skip the Function machinery and residual bookkeeping
-    outs, _ = _run_fwd(kdef, skey, _prepare_all(tensors, kdef.name))
+    outs, _ = _run_fwd(kdef, skey, dlpack.prepare_all(tensors, kdef.name))
     return outs if len(outs) > 1 else outs[0]

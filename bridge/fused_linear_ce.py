@@ -10,7 +10,7 @@ layer's node (forge/ops/precomputed.py, shared with the Triton backend, built fr
 jitted forward, its gradients come back as torch tensors (zero copy) and the backward scales
 them in place. That is safe: they are outputs of a finished JAX computation, fresh buffers that
 JAX holds no other use of once the arrays are dropped (nothing is donated or forwarded), and
-``torch.from_dlpack`` orders torch's stream after JAX's (see bridge/core.py's docstring).
+``torch.from_dlpack`` orders torch's stream after JAX's (see bridge/dlpack.py's docstring).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from forge.spec import fused_linear_ce as spec
 from forge_pallas import fused_linear_ce as _k
 
-from . import core
+from . import core, dlpack
 
 # XLA keeps more scratch live around the tiled loop than the Triton path (measured on the H200:
 # 814 MiB extra at 4096 x 896 x 151936 with the Triton path's 1/16), so its tiles are narrower
@@ -44,9 +44,9 @@ def compute(tensors, static, need_h, need_w, need_b):
         if rows is None:
             static["tile_vocab"] = spec.tile_width(n, v, logits_fraction=LOGITS_FRACTION)
     skey = tuple(dict(static, grads_for=(need_h, need_w, need_b), chunk_rows=rows).items())
-    (loss,), res = FLCE.fwd_fn(skey)(*core._inputs_to_jax(FLCE, tensors))
-    # every output through torch.from_dlpack before returning (bridge/core.py's rule 2)
-    loss, it = core.to_torch(loss), iter([core.to_torch(r) for r in res])
+    (loss,), res = FLCE.fwd_fn(skey)(*dlpack.inputs_to_jax(FLCE, tensors))
+    # every output through torch.from_dlpack before returning (bridge/dlpack.py's rule 2)
+    loss, it = dlpack.to_torch(loss), iter([dlpack.to_torch(r) for r in res])
     return (loss, *(next(it) if want else None for want in (need_h, need_w, need_b)))
 
 

@@ -88,7 +88,7 @@ def _glu_bwd_kernel(g_ref, u_ref, dy_ref, t_ref, dg_ref, du_ref, *y_ref, kind, b
 # elements per program: 2-4 KB per tensor, plenty of programs at MLP sizes. One size whatever the
 # element count (a small tensor is one masked program), so the lowered module does not depend on
 # the number of rows. Warps: one 16-byte vector per thread and tensor, as forge_triton's GLU.
-# bench/tune_pallas.py swept both (docs/pallas-native.md): 1024 elements on 4 warps ran 1.08x
+# bench/diagnostics/tune_pallas.py swept both (docs/pallas-native.md): 1024 elements on 4 warps ran 1.08x
 # Triton's forward and 1.01x its backward at the MLP shapes, 2048 on 8 warps 1.10x and 1.02x,
 # larger blocks 1.13-1.43x (each program first waits on its run-time element count; smaller
 # programs, more of them resident, hide that wait better)

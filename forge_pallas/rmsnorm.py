@@ -106,7 +106,7 @@ _launch = C.triton_call
 
 def rmsnorm_fwd(x, w, *, eps, casting, offset):
     """x (..., N), w (N,) -> ((y shaped like x,), (rstd (M,),)), M the rows of x. (The reshapes
-    cost nothing natively launched: bridge/native.py passes the kernel the tensor itself.)"""
+    cost nothing natively launched: bridge/native/ passes the kernel the tensor itself.)"""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     m, n = x.shape

@@ -94,7 +94,7 @@ _launch = C.triton_call
 
 
 # programs per SM that _block_s aims at, warps per program (None: by tile size), and heads
-# rotated per loop step (their loads all issued before their stores); bench/tune_pallas.py
+# rotated per loop step (their loads all issued before their stores); bench/diagnostics/tune_pallas.py
 # swept them (docs/pallas-native.md): 4 heads a step took rope at the large shape from
 # 1.09-1.10x Triton's time to 1.06-1.07x and at the model's from 1.00x to 0.69x; 2 heads a step
 # ran 1.25x at the large shape; programs per SM moved it by less than 0.02x, fixed warps no better
@@ -159,7 +159,7 @@ def rope_fwd(q, k, cos, sin, *, q_layout, k_layout, in_dtype, view=None):
     ``view``: None, or the layout q and k come in (and their outputs go out) where the kernel
     reads them in ``q_layout``/``k_layout``: HF's q is a (B, H, S, D) view of a (B, S, H, D)
     projection, and natively launched the swap of axes is a free view of that storage
-    (bridge/native.py), where the bridge's own transposes would each be an autograd node."""
+    (bridge/native/), where the bridge's own transposes would each be an autograd node."""
     del in_dtype
     q, k = _swap(q, view, q_layout), _swap(k, view, k_layout)
     out = jnp.promote_types(q.dtype, cos.dtype)  # torch's q * cos promotes the same way

@@ -30,6 +30,7 @@ _WHERE = {
     "fused_linear_ce_compute": ("fused_linear_ce", "compute"),
     "fused_linear_ce_scale": ("fused_linear_ce", "scale_"),
     "check_devices": ("_common", "check_device"),
+    "plain_launches": ("_launch", "plain_launches"),  # Triton's own launch path in a block (benchmarks)
 }
 
 

@@ -98,6 +98,20 @@ def mode(m):
         _MODE.value = old
 
 
+@contextlib.contextmanager
+def plain_launches():
+    """Launch every kernel through Triton's own path (``kernel[grid](...)``) inside the block,
+    as ``FORGE_TRITON_FAST_LAUNCH=0`` does for a whole process: a call's host time with and
+    without it is what the direct path saves (bench/bench_host_overhead.py). It holds for the
+    whole process while the block runs, not for one thread."""
+    global FAST
+    old, FAST = FAST, False
+    try:
+        yield
+    finally:
+        FAST = old
+
+
 def _no_launch(*args, **meta):
     return None
 

@@ -62,7 +62,7 @@ def _rope_kernel(
                   c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D, BACKWARD, ACC)
 
 
-WARPS = None  # None: by tile size; bench/tune_triton.py sweeps it
+WARPS = None  # None: by tile size; bench/diagnostics/tune_triton.py sweeps it
 
 _kernel = _launch.FastKernel(_rope_kernel)
 _CFG = _common.BoundedCache()  # (hq, hk, d) -> launch configuration

@@ -189,8 +189,9 @@ def test_bench_generate_quick(tmp_path):
 
 def test_profile_decode_host_cpu(tmp_path):
     # a no-op replay on the CPU: the host time of generate's loop per decoding step, split
-    out = _run("profile_decode_host.py", ["--device", "cpu", "--model", "tiny", "--batches", "2", "--prompt", "8",
-                                          "--new", "12", "--reps", "1", "--pad"], tmp_path, out=False)
+    out = _run("diagnostics/profile_decode_host.py", ["--device", "cpu", "--model", "tiny", "--batches", "2",
+                                                      "--prompt", "8", "--new", "12", "--reps", "1", "--pad"],
+               tmp_path, out=False)
     row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("2 forge graphs"))
     # batch, the variant (2 words), the step, its 6 parts and the rest, the graph's device time, the call
     assert len(row) == 13 and float(row[3]) > 0 and row[11] == "-", out

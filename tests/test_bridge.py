@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bridge
-from bridge import core, runtime
+from bridge import core, dlpack, runtime
 from forge import ops
 from forge.errors import BackendUnavailableError
 from forge.spec import rmsnorm as rmsnorm_spec
@@ -74,16 +74,16 @@ def test_x64_restored():
 def test_noncontiguous_and_requires_grad_export(device):
     t = torch.randn(6, 8, device=device, requires_grad=True)
     v = t.t()  # non-contiguous view of a tensor that requires grad
-    a = core.to_jax(v)
+    a = dlpack.to_jax(v)
     assert a.shape == (8, 6)
     torch.testing.assert_close(torch.from_dlpack(a), v.detach(), rtol=0, atol=0)
 
 
 def test_contiguous_export_is_zero_copy(device):
     t = torch.randn(4, 16, device=device, dtype=torch.bfloat16)
-    a = core.to_jax(t)
+    a = dlpack.to_jax(t)
     assert a.unsafe_buffer_pointer() == t.data_ptr()
-    back = core.to_torch(a)
+    back = dlpack.to_torch(a)
     assert back.data_ptr() == t.data_ptr()
 
 
@@ -91,15 +91,15 @@ def test_int64_narrowed_to_int32_without_x64(device):
     # decision: without x64 the bridge narrows int64 (labels, indices) to int32 in torch,
     # explicitly, instead of JAX's silent copy; values must survive
     t = torch.tensor([0, -100, 151935, 2**31 - 1], device=device, dtype=torch.int64)
-    a = core.to_jax(t)
+    a = dlpack.to_jax(t)
     assert a.dtype == jnp.int32
-    assert core.to_torch(a).tolist() == t.tolist()
+    assert dlpack.to_torch(a).tolist() == t.tolist()
 
 
 def test_int64_kept_with_x64(jax_x64, device):
     t = torch.tensor([2**40, -3], device=device, dtype=torch.int64)
-    a = core.to_jax(t)
-    assert a.dtype == jnp.int64 and core.to_torch(a).tolist() == t.tolist()
+    a = dlpack.to_jax(t)
+    assert a.dtype == jnp.int64 and dlpack.to_torch(a).tolist() == t.tolist()
 
 
 def test_float64_without_x64_is_an_error(device):
@@ -239,7 +239,7 @@ def test_stream_race_torch_to_jax(side_stream):
         for i in range(ITERS):
             _slow_torch_work()
             t = torch.full((1 << 22,), float(i), device="cuda")  # fresh data, queued behind the matmul
-            a = core.to_jax(t)
+            a = dlpack.to_jax(t)
             mismatches += int(not bool(jnp.all(a == float(i))))
     assert mismatches == 0
 
@@ -255,7 +255,7 @@ def test_stream_race_jax_to_torch(side_stream):
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         for i in range(ITERS):
-            t = core.to_torch(fill(big, float(i)))
+            t = dlpack.to_torch(fill(big, float(i)))
             mismatches += int((t != float(i)).any().item())
     assert mismatches == 0
 

@@ -462,6 +462,29 @@ def test_unpatch_restores_generate():
     assert "generate" not in model.__dict__ and model._forge_graphs.decode is None
 
 
+def test_capturable_backends_come_from_the_op_layers_registry(monkeypatch):
+    # the decoding path asks forge.ops.on_stream (each registry entry's hook), never a backend:
+    # flipping the Pallas hook's answer flips what decode accepts
+    from forge import ops
+
+    model = _model("qwen2")
+    assert ops.on_stream("triton") == (True, "")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.on_stream("bogus")
+    ok, why = ops.availability("pallas")
+    if not ok:
+        assert ops.on_stream("pallas") == (False, why)
+        return
+    from bridge import native
+
+    assert ops.on_stream("pallas") == native.available()
+    for on in (True, False):
+        monkeypatch.setattr(native, "available", lambda on=on: (on, "" if on else "test: no native launch"))
+        assert ops.on_stream("pallas") == native.available()
+        why = decode.why_not(model, {"rmsnorm": "triton", "rope": "pallas"})
+        assert (why is None) if on else ("rope" in why and "'pallas'" in why)
+
+
 def test_decode_declines_kernels_it_cannot_capture():
     model = _model("qwen2")
     from bridge import native

@@ -1,4 +1,4 @@
-"""The Pallas backend's native launch path (bridge/native.py) and the bridge's defects it came with.
+"""The Pallas backend's native launch path (bridge/native/) and the bridge's defects it came with.
 
 On the CPU the plans are built and run with each ``pallas_call`` evaluated by JAX's interpreter
 (``launcher="jax"``): that checks the tracing, every torch-side step and the aliasing rules
@@ -25,6 +25,7 @@ from forge.spec import tolerance
 pytest.importorskip("jax")
 from bridge import _jax_internals as JI  # noqa: E402
 from bridge import native  # noqa: E402
+from bridge.native import disk, launch, recipe, state  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -399,15 +400,15 @@ def test_dlpack_path_gives_jax_aligned_buffers(launcher, monkeypatch):
     aligned. So the bridge copies such tensors before the import, on every device: every buffer
     JAX is handed here is aligned though inputs, weight and upstream gradient are not, the
     results are right, and an in-place update of the weight reaches the next call."""
-    from bridge import core
+    from bridge import dlpack
     from forge.spec import rmsnorm as spec
 
     launcher("off")
     dev = "cuda" if HAS_CUDA else "cpu"
-    core.to_jax(torch.zeros(8, device=dev))  # (the one-time import-path check, before the spy)
+    dlpack.to_jax(torch.zeros(8, device=dev))  # (the one-time import-path check, before the spy)
     seen = []
-    real = core._import
-    monkeypatch.setattr(core, "_import", lambda t: (seen.append(t.data_ptr()), real(t))[1])
+    real = dlpack._import
+    monkeypatch.setattr(dlpack, "_import", lambda t: (seen.append(t.data_ptr()), real(t))[1])
 
     def off(n, by, dtype=torch.float32):  # n values starting ``by`` elements into their storage
         return torch.randn(n + by, device=dev).to(dtype)[by:]
@@ -416,10 +417,10 @@ def test_dlpack_path_gives_jax_aligned_buffers(launcher, monkeypatch):
     x = off(4 * 64, 1).view(4, 64).requires_grad_()
     w = off(64, 3).requires_grad_()
     dy = off(4 * 64, 2).view(4, 64)
-    assert x.data_ptr() % core.ALIGN and w.data_ptr() % core.ALIGN and dy.data_ptr() % core.ALIGN
+    assert x.data_ptr() % dlpack.ALIGN and w.data_ptr() % dlpack.ALIGN and dy.data_ptr() % dlpack.ALIGN
     got = f(x, w, 1e-6)
     got.backward(dy)
-    assert seen and all(p % core.ALIGN == 0 for p in seen), [p % core.ALIGN for p in seen]
+    assert seen and all(p % dlpack.ALIGN == 0 for p in seen), [p % dlpack.ALIGN for p in seen]
     xd, wd = x.detach().double(), w.detach().double()
     assert tolerance.rel_err(got.detach(), spec.reference(xd, wd, 1e-6)) < 1e-5
     xr, wr = xd.clone().requires_grad_(), wd.clone().requires_grad_()
@@ -491,15 +492,15 @@ def test_a_warm_start_takes_tritons_binary_without_compiling(tmp_path, monkeypat
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "forge"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     target = GPUTarget("cuda", 90, 32)
-    monkeypatch.setattr(native, "_target", lambda: target)
+    monkeypatch.setattr(launch, "target", lambda: target)
     lowered = _rmsnorm_lowered()
     low = types.SimpleNamespace(ttir=lowered.ttir, num_warps=lowered.num_warps, num_stages=lowered.num_stages,
                                 grid=lowered.grid)
-    key = native._kernel_key(low)
-    monkeypatch.delitem(native._KERNELS, key, raising=False)
-    n0 = native._COMPILES[0]
-    first = native._compiled(low)
-    assert native._COMPILES[0] == n0 + 1
+    key = launch.kernel_key(low)
+    monkeypatch.delitem(state.KERNELS, key, raising=False)
+    n0 = state.COMPILES[0]
+    first = launch.compiled(low)
+    assert state.COMPILES[0] == n0 + 1
     index = list((tmp_path / "forge" / "pallas-native").glob("*.json"))
     assert len(index) == 1
 
@@ -509,9 +510,9 @@ def test_a_warm_start_takes_tritons_binary_without_compiling(tmp_path, monkeypat
         raise AssertionError("triton.compile called on a warm start")
 
     monkeypatch.setattr(triton, "compile", no_compile)
-    del native._KERNELS[key]  # as in a new process
-    again = native._compiled(low)
-    assert again is not first and native._COMPILES[0] == n0 + 1
+    del state.KERNELS[key]  # as in a new process
+    again = launch.compiled(low)
+    assert again is not first and state.COMPILES[0] == n0 + 1
     assert again.hash == first.hash and again.asm["cubin"] == first.asm["cubin"]
     assert again.metadata == first.metadata and again.src.signature == first.src.signature
 
@@ -520,22 +521,22 @@ def test_a_warm_start_takes_tritons_binary_without_compiling(tmp_path, monkeypat
     import shutil
 
     shutil.rmtree(tmp_path / "triton")
-    del native._KERNELS[key]
-    native._compiled(low)
-    assert native._COMPILES[0] == n0 + 2
+    del state.KERNELS[key]
+    launch.compiled(low)
+    assert state.COMPILES[0] == n0 + 2
     # other options: another stamp, another index file, a compile of its own
-    del native._KERNELS[key]
+    del state.KERNELS[key]
     other = types.SimpleNamespace(**{**vars(low), "num_warps": 2 * low.num_warps})
-    native._compiled(other)
-    assert native._COMPILES[0] == n0 + 3
+    launch.compiled(other)
+    assert state.COMPILES[0] == n0 + 3
     assert len(list((tmp_path / "forge" / "pallas-native").glob("*.json"))) == 2
-    native._KERNELS.pop(native._kernel_key(other), None)
+    state.KERNELS.pop(launch.kernel_key(other), None)
 
 
 def test_plans_come_back_from_their_recipes_on_disk(launcher, tmp_path, monkeypatch):
     """Each plan's recipe (its steps as plain data) is stored beside the TTIR; with the plans
     cleared, as in a new process, every pass is built from its recipe without tracing it again
-    (``_recipe`` is not called) and computes the same. A damaged recipe is traced again, and
+    (``recipe.trace`` is not called) and computes the same. A damaged recipe is traced again, and
     other kernel code (another code stamp) keys other recipes."""
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
     if HAS_CUDA:
@@ -554,7 +555,7 @@ def test_plans_come_back_from_their_recipes_on_disk(launcher, tmp_path, monkeypa
 
     native.clear()
     with monkeypatch.context() as m:
-        m.setattr(native, "_recipe", no_trace)
+        m.setattr(recipe, "trace", no_trace)
         warm = {k: _run(k, *cases[k], seed=3) for k in keys}
     assert native.status()["plans"] == 2 * len(keys) and not native.status()["declined"]
     for k in keys:
@@ -564,14 +565,14 @@ def test_plans_come_back_from_their_recipes_on_disk(launcher, tmp_path, monkeypa
     recipes[0].write_text("{not json")
     native.clear()
     traced = []
-    real = native._recipe
-    monkeypatch.setattr(native, "_recipe", lambda *a: traced.append(1) or real(*a))
+    real = recipe.trace
+    monkeypatch.setattr(recipe, "trace", lambda *a: traced.append(1) or real(*a))
     again = {k: _run(k, *cases[k], seed=3) for k in keys}
     assert len(traced) == 1  # the damaged one only
     assert all(torch.equal(a, b) for k in keys for a, b in zip(cold[k], again[k]))
 
     native.clear()
-    monkeypatch.setattr(native, "_code_stamp", lambda: "another forge")
+    monkeypatch.setattr(disk, "code_stamp", lambda: "another forge")
     _run("rmsnorm", *cases["rmsnorm"], seed=3)
     assert len(traced) == 3  # forward and backward traced again under the new stamp
 
@@ -596,7 +597,7 @@ def test_native_launch_in_a_fresh_process_is_cached(tmp_path):
         y.backward(torch.ones_like(y))
         st = native.status()
         assert st["plans"] == 2 and not st["declined"], st
-        print("RESULT", json.dumps({"first_call_ms": 1e3 * (t2 - t1), "traces": native._TRACES[0],
+        print("RESULT", json.dumps({"first_call_ms": 1e3 * (t2 - t1), "traces": st["traces"],
                                     "compiles": st["compiles"], "sum": [float(t.double().sum()) for t in (y, x.grad, w.grad)]}))
     """)
     env = dict(os.environ, FORGE_CACHE_DIR=str(tmp_path), TRITON_CACHE_DIR=str(tmp_path / "triton"),
@@ -639,7 +640,7 @@ def test_plans_are_straight_line_code_with_their_constants_folded(launcher, tmp_
     x = torch.randn(2, 5, 64, device=dev, requires_grad=True)
     w = torch.randn(64, device=dev, requires_grad=True)
     f(x, w, 1e-6).sum().backward()
-    fwd = [p for k, p in native._PLANS.items() if k[:2] == ("rmsnorm", "fwd")]
+    fwd = [p for k, p in state.PLANS.items() if k[:2] == ("rmsnorm", "fwd")]
     assert len(fwd) == 1 and fwd[0]
     body = [ln.strip() for ln in fwd[0].source.splitlines()[1:]]
     assert len(body) == 3 and body[1].startswith("v") and "f0(" in body[1], fwd[0].source  # inputs, kernel, return
@@ -708,8 +709,8 @@ def test_bf16_products_round_in_the_product(key, launcher, tmp_path, monkeypatch
     native.clear()
     dev = "cuda" if HAS_CUDA else "cpu"
     recipes = []
-    real = native._recipe
-    monkeypatch.setattr(native, "_recipe", lambda *a: recipes.append(real(*a)) or recipes[-1])
+    real = recipe.trace
+    monkeypatch.setattr(recipe, "trace", lambda *a: recipes.append(real(*a)) or recipes[-1])
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
     args, diff, kwargs = _cases(torch.bfloat16, dev, 24)[key]
     got = _run(key, args, diff, kwargs, seed=1)
@@ -780,7 +781,7 @@ def test_transposes_around_a_kernel_are_not_run(launcher, tmp_path, monkeypatch)
     cos, sin = torch.randn(2, 5, 16, device=dev), torch.randn(2, 5, 16, device=dev)
     qo, ko = ops.get("rope", "pallas")(q, k, cos, sin)
     (qo.sum() + ko.sum()).backward()
-    plans = [p for key, p in native._PLANS.items() if key[0] == "rope"]
+    plans = [p for key, p in state.PLANS.items() if key[0] == "rope"]
     plans += [b for p in plans for b in p.bwd.values()]
     assert len(plans) >= 2
     for p in plans:
@@ -790,9 +791,9 @@ def test_transposes_around_a_kernel_are_not_run(launcher, tmp_path, monkeypatch)
 
     t = torch.randn(2, 5, 4, 16, device=dev)
     view = t.transpose(1, 2)  # read as view.permute(0, 2, 1, 3): t itself, compact
-    assert native._ready_view(view, (0, 2, 1, 3)) is view
-    got = native._ready_view(t, (0, 2, 1, 3))  # t's own layout is not the one read: a copy
+    assert launch.ready_view(view, (0, 2, 1, 3)) is view
+    got = launch.ready_view(t, (0, 2, 1, 3))  # t's own layout is not the one read: a copy
     assert got.is_contiguous() and torch.equal(got, t.permute(0, 2, 1, 3))
     odd = torch.randn(2 * 5 * 4 * 16 + 1, device=dev)[1:].view(2, 5, 4, 16).transpose(1, 2)
-    got = native._ready_view(odd, (0, 2, 1, 3))  # compact view, misaligned address
+    got = launch.ready_view(odd, (0, 2, 1, 3))  # compact view, misaligned address
     assert got.data_ptr() % 32 == 0 and torch.equal(got, odd.permute(0, 2, 1, 3))

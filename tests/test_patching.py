@@ -127,6 +127,21 @@ def test_default_threshold_is_forge_min_fused_elements(qwen2, monkeypatch):
     assert (stats.fused("swiglu"), stats.fallback("swiglu")) == (2, 0)
 
 
+def test_a_copy_keeps_a_rebound_default_table(qwen2, monkeypatch):
+    # a deep copy is patched again with the original's arguments: a table rebound at
+    # forge.MIN_FUSED_ELEMENTS goes with it, the shipped one is read again where the copy is made
+    import copy
+
+    monkeypatch.setattr(forge, "MIN_FUSED_ELEMENTS", {"triton": {"rmsnorm": NEVER}, "pallas": NEVER})
+    forge.patch(qwen2, mode="infer", backend="triton", kernels=["rmsnorm"])
+    twin = copy.deepcopy(qwen2)
+    logits(twin, ids_for(twin))
+    assert (twin._forge_guard_stats.fused("rmsnorm"), twin._forge_guard_stats.fallback("rmsnorm")) == (0, 5)
+    monkeypatch.undo()
+    forge.patch(qwen2, mode="infer", backend="triton", kernels=["rope"])
+    assert qwen2._forge_state.call.keywords["min_fused"] is None
+
+
 def test_default_threshold_per_mode(qwen2, monkeypatch):
     # a backend's default may differ per mode ({"infer": ..., "train": ...}, as calibrated)
     monkeypatch.setattr(forge, "MIN_FUSED_ELEMENTS", {"triton": {"infer": {"swiglu": NEVER}, "train": 0}})

@@ -145,6 +145,24 @@ def test_fast_launch_matches_the_plain_launch(device):
             assert torch.equal(got, want)
 
 
+def test_plain_launches_take_tritons_own_path_inside_the_block(monkeypatch):
+    # forge_triton.plain_launches() (bench/bench_host_overhead.py times both paths): inside the
+    # block a FastKernel hands out the kernel's own launcher, afterwards its direct path again,
+    # also when the block raised
+    from forge_triton import _launch, glu
+
+    def forges(launch):  # forge's direct path, or what Triton's kernel[grid] hands out
+        return launch.__qualname__.startswith("FastKernel.")
+
+    monkeypatch.setattr(_launch, "FAST", True)  # (the interpreter never takes the direct path)
+    assert forges(glu._fwd[(1,)])
+    with pytest.raises(RuntimeError, match="inside"):
+        with forge_triton.plain_launches():
+            assert not forges(glu._fwd[(1,)])
+            raise RuntimeError("inside")
+    assert _launch.FAST and forges(glu._fwd[(1,)])
+
+
 def test_public_functions_stay_functions_once_the_op_layer_loads_the_kernels():
     # rmsnorm, rope and decode_attention share their module's name, and a module's first import
     # (the op layer's, forge_triton._ops.kernels, or anyone's) bound it over the function, so

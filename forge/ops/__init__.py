@@ -28,7 +28,8 @@ Adding a backend (one folder and one entry in :data:`BACKENDS`):
    ``install(traced)``; the functional APIs call the installed ``traced(kdef, tensors, static)``
    under ``torch.compiler.is_compiling()``.
 4. An entry here: ``BACKENDS["new"] = Backend(package="forge_new", adaptor="forge_new._ops",
-   runtime=...)``, the functions that say where it runs (see :class:`Backend`). Tests take
+   ...)``, the functions that say where it runs and whether its launches are on torch's stream
+   (see :class:`Backend`). Tests take
    their backend list from :data:`BACKENDS`.
 """
 from __future__ import annotations
@@ -64,21 +65,33 @@ def _pallas_fits(device_types, float64):
     return runtime.fits(device_types, float64)
 
 
+def _triton_on_stream():
+    return True, ""
+
+
+def _pallas_on_stream():
+    from bridge import native
+
+    return native.available()
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """A registry entry: the package holding the functional APIs, the op layer's adaptor
-    module, whether it runs in an interpreter here, and whether it fits a model's parameters
-    (``fits(device_types, float64) -> (usable, reason)``)."""
+    module, whether it runs in an interpreter here, whether it fits a model's parameters
+    (``fits(device_types, float64) -> (usable, reason)``), and whether its kernels launch on
+    torch's current stream here (``on_stream() -> (yes, reason)``: what a CUDA graph captures)."""
 
     package: str
     adaptor: str
     interpreted: object
     fits: object
+    on_stream: object
 
 
 BACKENDS_TABLE: dict[str, Backend] = {
-    "triton": Backend("forge_triton", "forge_triton._ops", _triton_interpreted, _triton_fits),
-    "pallas": Backend("bridge", "bridge._ops", _pallas_interpreted, _pallas_fits),
+    "triton": Backend("forge_triton", "forge_triton._ops", _triton_interpreted, _triton_fits, _triton_on_stream),
+    "pallas": Backend("bridge", "bridge._ops", _pallas_interpreted, _pallas_fits, _pallas_on_stream),
 }
 BACKENDS = tuple(BACKENDS_TABLE)
 NODES = ("gated_mlp", "fused_linear_ce")  # built here from each backend's pieces
@@ -187,6 +200,17 @@ def pick_auto() -> str:
 def interpreted(backend: str) -> bool:
     """Whether ``backend`` runs its kernels in its interpreter (CPU) in this process."""
     return _entry(backend).interpreted()
+
+
+def on_stream(backend: str) -> tuple[bool, str]:
+    """(yes, reason): whether ``backend``'s kernels launch on torch's current stream in this
+    process, so a torch CUDA graph captures them (Triton: always; Pallas: where its native
+    launch runs, not through JAX and DLPack on JAX's own stream). The graph runtime
+    (``forge.patching.graphs``, ``decode``) asks this instead of the backends themselves."""
+    ok, why = availability(backend)
+    if not ok:
+        return False, why
+    return _entry(backend).on_stream()
 
 
 def fits(backend: str, device_types: frozenset, float64: bool) -> tuple[bool, str]:

@@ -14,7 +14,7 @@ Residuals are outputs of the forward op (a custom op cannot keep Python state be
 
 When these ops run: only under torch.compile (``torch.compiler.is_compiling()``). Eager calls
 keep the backends' direct paths (FastKernel launches, their autograd.Functions), which cost a
-few microseconds less host time per call than an op call (bench/bench_op_overhead.py). Each
+few microseconds less host time per call than an op call (bench/diagnostics/bench_op_overhead.py). Each
 backend's functional API turns here through one entry, installed with :func:`register`
 (``forge_triton._ops.call``, ``bridge.core.apply``).
 

@@ -11,9 +11,10 @@ generate() (when and which cache; the capture and replay); ``lora`` the peft LoR
 for ``lora`` too).
 
 Layer: the top one. It may import everything below (``forge.ops``, which hands out the kernels
-in their spec signatures, ``forge.spec``, ``forge.errors``, ``forge._runtime``) but reaches a
-backend only through ``forge.ops`` (the bridge's native-launch availability excepted, read where
-a decision depends on it). Nothing below imports it (``tests/test_layers.py``).
+in their spec signatures and says whether a backend launches on torch's stream, ``forge.spec``,
+``forge.errors``, ``forge._runtime``, ``forge.defaults``) but reaches a backend only through
+``forge.ops``: no module here imports ``forge_triton``, ``forge_pallas`` or ``bridge``. Nothing
+below imports it (``tests/test_layers.py``).
 """
 from .core import guard_stats, patch, unpatch
 from .guard import GuardStats

@@ -16,6 +16,8 @@ and patches the copy again:
   copy is complete, and, for pickle, a ``state_setter`` that runs once the loaded object has its
   state (so a loaded model is patched while ``torch.load`` runs; should that fail, say the saved
   backend cannot run on the loading machine, it logs a warning and the model runs unpatched).
+  What patches the copy is handed in by ``core`` (``call``: ``forge.patch`` with the original's
+  arguments bound), so this module imports nothing of forge's.
 
 ``copy.copy`` (shallow) shares the modules with the original: it copies as before, patched
 modules included. A copy of a part of the model (one decoder layer) comes back unpatched.
@@ -25,10 +27,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import sys
 
 HOOKS = ("__reduce_ex__", "__deepcopy__")
 KEEP = object()  # the module's forward entry is not forge's: copy it as it is
+log = logging.getLogger("forge")
 
 
 def module_hook(module, had, old):
@@ -65,7 +69,7 @@ def publish(state, chain, public_names) -> None:
 
 def install_chain_hooks(obj, forward, call, drop) -> None:
     """On the model patch() was called on and the wrappers below it: copy unpatched, patch the
-    copy with ``call`` (forge.patch's arguments). ``forward``: KEEP, None (forge's, none before)
+    copy with ``call`` (``call(copy)`` patches it as the original was). ``forward``: KEEP, None (forge's, none before)
     or the forward that was there before forge's; ``drop``: attribute names to leave out."""
     obj.__dict__["__reduce_ex__"] = functools.partial(_reduce, obj, forward, (call, drop))
     obj.__dict__["__deepcopy__"] = functools.partial(_deepcopy, obj, forward, (call, drop))
@@ -134,11 +138,8 @@ def _set_state(obj, state):
 
 
 def _patch_copy(obj, call):
-    from .core import patch
-    from .report import log
-
     try:
-        patch(obj, **call)
+        call(obj)
     except Exception as e:  # noqa: BLE001  (a copy that cannot be patched still loads)
         log.warning("forge: the copied or loaded %s could not be patched again (%s: %s); it runs unpatched",
                     type(obj).__name__, type(e).__name__, e)

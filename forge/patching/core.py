@@ -29,6 +29,7 @@ falls back per call to the layer's own forward with forge's kernels inside.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 import operator
@@ -38,7 +39,7 @@ import weakref
 
 from torch import nn
 
-from .. import errors, ops
+from .. import defaults, errors, ops
 from ..spec import KERNELS, lora_dropout
 from . import arch as _arch
 from . import decode as _decode
@@ -63,7 +64,7 @@ class _State:
     args: tuple
     records: list
     chain: list
-    call: dict      # forge.patch's arguments, to patch a copy the same way (copying.py)
+    call: object    # forge.patch with this patch's arguments bound: patches a copy the same way (copying.py)
     info: _report.Info
     public: tuple   # the values of _PUBLIC
 
@@ -178,8 +179,10 @@ def _arch_of(root):
 
 
 def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, graphs=False,
-          recompute_mlp=False, compile_kernels="auto"):
-    """Swap forge kernels into ``model`` (see ``forge.patch``); returns ``model``.
+          recompute_mlp=False, compile_kernels="auto", min_fused=None):
+    """Swap forge kernels into ``model`` (see ``forge.patch``); returns ``model``. ``min_fused``:
+    the guard's default thresholds (``forge.patch`` hands in ``forge.MIN_FUSED_ELEMENTS``; None:
+    ``forge.defaults.MIN_FUSED_ELEMENTS``).
 
     Patching again with the same arguments is a no-op; with different ones the model is
     unpatched first. Any error while patching leaves the model unpatched.
@@ -194,7 +197,8 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
             return model
         unpatch(model)
     mode, backend_req, min_req, requested, graphs, recompute_mlp, compile_kernels, explicit = args
-    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp, graphs, compile_kernels)
+    p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp, graphs, compile_kernels,
+                min_fused)
     # an explicitly named backend that cannot run here, or not on this model, is an error
     for b in sorted({backend_req[k] for k in requested if k in backend_req} - {"auto"}):
         ops.require(b)
@@ -218,8 +222,11 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     backends = p.backends()
     info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
                  {b: b != TORCH and ops.interpreted(b) for b in set(backends.values())})
-    call = dict(mode=mode, backend=backend_req, min_elements=min_req, kernels=requested if explicit else None,
-                graphs=graphs, recompute_mlp=recompute_mlp, compile_kernels=compile_kernels)
+    # (the default table is not bound: a copy loaded elsewhere reads that process's defaults)
+    call = functools.partial(patch, mode=mode, backend=backend_req, min_elements=min_req,
+                             kernels=requested if explicit else None, graphs=graphs, recompute_mlp=recompute_mlp,
+                             compile_kernels=compile_kernels,
+                             min_fused=None if min_fused is defaults.MIN_FUSED_ELEMENTS else min_fused)
     state = _State(args[:7], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
     root.__dict__["_forge_state"] = state
     copying.publish(state, chain, _PUBLIC)
@@ -517,10 +524,8 @@ def _apply_graphs(root, p):
     Graphs object (``model._forge_graphs``), or None with the reason in ``_forge_skipped``."""
     for key in LAYER_KEYS:
         if key in p.counts and p.backend(key) == "pallas":
-            # capturable only when launched natively on torch's stream (bridge/native.py)
-            from bridge import native
-
-            ok, why = native.available()
+            # capturable only when launched on torch's stream (natively, not through JAX)
+            ok, why = ops.on_stream("pallas")
             if not ok:
                 raise ValueError(
                     f"graphs=True needs the kernels inside the decoder layers on torch's stream; {key!r} runs "

@@ -39,12 +39,12 @@ import weakref
 import torch
 from torch import nn
 
+from .. import ops
 from ..ops.gated_mlp import _any_autocast
 from . import decode_runtime as rt
 
 BUCKET = 256  # static cache lengths are multiples of this
 MAX_CACHES = 4  # static caches kept (one per batch size)
-CAPTURABLE = ("triton", "pallas")  # backends whose kernels can launch on torch's stream (see _capturable)
 ATTN_OK = ("sdpa", "eager")
 MODES = ("greedy_search", "sample")
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
@@ -62,13 +62,8 @@ log = logging.getLogger("forge")
 
 
 def _capturable(backend) -> bool:
-    if backend not in CAPTURABLE:
-        return False
-    if backend == "pallas":  # only its native launch runs on torch's stream (bridge/native.py)
-        from bridge import native
-
-        return native.available()[0]
-    return True
+    """Whether a CUDA graph captures ``backend``'s kernels here (the op layer's registry says)."""
+    return backend in ops.BACKENDS and ops.on_stream(backend)[0]
 
 
 def why_not(root, backends) -> str | None:
@@ -138,7 +133,6 @@ def _attention(backends):
     """(kernel, its backend): the decoding attention kernel (``forge.spec.decode_attention``) of
     the backend that runs the model's RoPE (else its first kernel's); (None, "sdpa") where that
     backend has none: then the decoding steps use SDPA."""
-    from .. import ops
     from ..errors import BackendUnavailableError
 
     backend = backends.get("rope") or next(iter(backends.values()), None)

@@ -47,7 +47,7 @@ runs the forward as patched without graphs (counted in ``stats``, with the reaso
 
 A second backward through a replayed layer (``retain_graph=True``) raises: the first backward's
 buffers were reused. Graphs capture Triton kernels and Pallas kernels launched natively on
-torch's stream (bridge/native.py); where that path is unavailable (JAX would launch on its own
+torch's stream (bridge/native/); where that path is unavailable (JAX would launch on its own
 stream, outside torch's capture) ``graphs=True`` with a Pallas layer kernel is refused at patch
 time, and a Pallas pass the native path declines fails its capture, which then runs uncaptured.
 

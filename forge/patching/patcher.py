@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import errors, ops
+from .. import defaults, errors, ops
 from ..spec import SHAPE_SENSITIVE
 from . import copying
 from .guard import GuardStats
@@ -32,7 +32,7 @@ class Patcher:
     """
 
     def __init__(self, root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp=False,
-                 graphs=False, compile_kernels="auto"):
+                 graphs=False, compile_kernels="auto", min_fused=None):
         self.model, self.arch, self.mode = root, arch, mode
         self.stats = GuardStats()
         self.counts: dict[str, int] = {}
@@ -43,6 +43,7 @@ class Patcher:
         self._auto = ops.auto_order()
         self._graphs = graphs  # CUDA graphs capture Triton kernels: auto tries triton first in layers
         self._compile_kernels = compile_kernels  # forge.patch(compile_kernels=): see defers()
+        self._min_fused = min_fused  # the default thresholds (forge.MIN_FUSED_ELEMENTS); None: forge.defaults'
         self._loaded: dict[str, tuple] = {}
         self._records: list[list] = []       # [module, had_instance_attr, old_attr, key, attr name]
         self._by_id: dict[int, list] = {}
@@ -103,14 +104,10 @@ class Patcher:
             return m
         if self.recompute_mlp and self.mode == "train" and key in ("swiglu", "geglu"):
             return 0  # asked for the MLP's memory saving: fused at every size
-        import forge  # read at patch time so a user (or the calibration) can change it
-
-        table, backend = forge.MIN_FUSED_ELEMENTS, self.backend(key)
-        if backend == "pallas" and "pallas-dlpack" in table:
-            from bridge import native  # (the pallas backend is loaded: its availability was checked)
-
-            if not native.available()[0]:
-                backend = "pallas-dlpack"  # every call pays DLPack and JAX's runtime
+        table = defaults.MIN_FUSED_ELEMENTS if self._min_fused is None else self._min_fused
+        backend = self.backend(key)
+        if backend == "pallas" and "pallas-dlpack" in table and not ops.on_stream("pallas")[0]:
+            backend = "pallas-dlpack"  # not launched natively: every call pays DLPack and JAX's runtime
         d = table.get(backend, 0)
         if isinstance(d, dict) and d.keys() & {"infer", "train"}:
             d = d.get(self.mode, 0)  # per-mode defaults

@@ -6,7 +6,7 @@ transformers' attention forwards call ``q_proj``, ``k_proj`` and ``v_proj`` (thr
 one after another on the same hidden states. With grouped-query attention the key and value
 products are narrow (128 columns at Qwen2.5-0.5B), too narrow for cuBLAS to fill the GPU. One
 product over the three weights concatenated (and their biases) does the three's work, forward
-and backward, in about 60% of their device time at Qwen2.5-0.5B's widths (bench/diag_qkv.py on
+and backward, in about 60% of their device time at Qwen2.5-0.5B's widths (bench/diagnostics/diag_qkv.py on
 the H200: 76.6 against 124 us per layer at 4096 rows, 218 against 321 at 16384), and autograd
 then runs one product for the input's gradient and one for the weights' where it ran three of
 each (and the two additions of the input's gradient).
@@ -32,7 +32,7 @@ What is fused: an attention module whose q_proj, k_proj and v_proj are plain ``n
 one dtype and device, with biases on all three or on none, whose weights take at most
 ``MAX_WEIGHT_BYTES`` together. The concatenation copies the weights on every call and autograd
 keeps the copy for the backward (2 MiB per layer at Qwen2.5-0.5B); it pays less as the products
-widen (bench/diag_qkv.py, forward + backward at 4096 rows: 142 against 194 us at hidden 1536
+widen (bench/diagnostics/diag_qkv.py, forward + backward at 4096 rows: 142 against 194 us at hidden 1536
 with 256-wide keys and values, 249 against 290 at 2048 / 512, 588 against 639 at 3584 / 512,
 where the weights are 31.5 MiB). A call runs the three products instead while torch.compile
 traces (inductor schedules them; under ``graphs=True`` the layers run as ops and replay fused),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from .. import defaults
+
 log = logging.getLogger("forge")
 
 _WARNED: set[str] = set()  # reasons already warned about in this process
@@ -94,9 +96,7 @@ class Report:
 
 
 def _never() -> int:
-    import forge
-
-    return forge.NEVER
+    return defaults.NEVER
 
 
 def build(root, state) -> Report:

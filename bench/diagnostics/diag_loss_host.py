@@ -11,7 +11,7 @@ against the same call inside a torch.compile'd function (where it runs as a forg
 
 Prints only. The defaults are train 4x1024 of Qwen2.5-0.5B (4096 x 896, vocabulary 151936).
 
-    python bench/diag_loss_host.py [--rows 4096 --hidden 896 --vocab 151936] [--backend triton]
+    python bench/diagnostics/diag_loss_host.py [--rows 4096 --hidden 896 --vocab 151936] [--backend triton]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import sys  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 
 import torch  # noqa: E402
 
@@ -99,7 +99,7 @@ def main(argv=None):
         for _ in range(3):
             run(fn)
     torch.cuda.synchronize()
-    rows = -(-(-(-n // spec.ROW_CHUNKS)) // spec.ROW_ALIGN) * spec.ROW_ALIGN
+    rows = spec.row_chunk(n, v) or spec.ROW_CHUNK_MIN
     narrow = spec.tile_width(n, v, logits_fraction=1 / 16)
     cases = [("eager, default", f, {}), (f"eager, tiles of {narrow}", f, {"tile_vocab": narrow}),
              (f"eager, row chunks of {rows}", f, {"chunk_rows": rows}), ("compiled, default", cf, {})]

@@ -6,7 +6,7 @@ three views), at a model's attention widths; the kernels of each, by name.
 Prints only. The defaults are Qwen2.5-0.5B's (hidden 896, 14 query heads and 2 key/value heads
 of 64, biases), bf16.
 
-    python bench/diag_qkv.py [--rows 4096,16384] [--hidden 896 --q 896 --kv 128] [--no-bias]
+    python bench/diagnostics/diag_qkv.py [--rows 4096,16384] [--hidden 896 --q 896 --kv 128] [--no-bias]
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

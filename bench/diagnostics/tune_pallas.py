@@ -2,7 +2,7 @@
 through the native launch, forward and backward, bf16, at forge/spec/shapes.py's GPU shapes,
 each setting beside forge_triton's same call in the same process (the ratio is what counts).
 
-    python bench/tune_pallas.py [--kernels swiglu,rope] [--quick]
+    python bench/diagnostics/tune_pallas.py [--kernels swiglu,rope] [--quick]
 
 GLU: elements per program and warps (``forge_pallas.glu._BLOCK``, ``_WARPS``). RoPE: programs
 per SM that the positions per program aim at, warps, and heads per loop step
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 COLUMNS = ["kernel", "setting", "shape", "measure", "triton_us", "pallas_us", "ratio", "note"]
@@ -72,10 +72,11 @@ def child(kernel, setting, quick):
             rows.append({"kernel": kernel, "setting": str(setting), "shape": f"{sname} {shape}",
                          "measure": measure, "triton_us": t, "pallas_us": p, "ratio": p / t})
     from bridge import native
+    from bridge.native import state
 
     note = "native" if native.status()["available"] else "native unavailable: " + native.status()["reason"]
-    if native._KERNELS:  # what was compiled: the setting's warps must be among them
-        note += f", warps compiled {sorted({k[1] for k in native._KERNELS})}"
+    if state.KERNELS:  # what was compiled: the setting's warps must be among them
+        note += f", warps compiled {sorted({k[1] for k in state.KERNELS})}"
     for r in rows:
         r["note"] = note
     return rows

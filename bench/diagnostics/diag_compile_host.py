@@ -13,7 +13,7 @@ torch.compile alone (CUDA): for each variant, side by side in rounds,
 (``spec.ROW_CHUNK_MIN = 0``) instead of its vocabulary tiles: the op is opaque to the trace, so
 the same compiled graph runs. Prints only.
 
-    python bench/diag_compile_host.py --mode train --batch 4 --seq-len 1024 \
+    python bench/diagnostics/diag_compile_host.py --mode train --batch 4 --seq-len 1024 \
         [--variants compile,forge+compile,forge-min0+compile] [--rows]
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402

@@ -1,9 +1,9 @@
 """Where a decoding step's host time goes in generate(): transformers' loop around the forward,
 forge's step wrapper, and what remains, per generated token.
 
-    python bench/profile_decode_host.py                  # GPU: forge graphs and static + compile, b 1/8/32
-    python bench/profile_decode_host.py --device cpu --layers 2 --vocab 1024
-    python bench/profile_decode_host.py --sample         # temperature / top-k / top-p sampling
+    python bench/diagnostics/profile_decode_host.py                  # GPU: forge graphs and static + compile, b 1/8/32
+    python bench/diagnostics/profile_decode_host.py --device cpu --layers 2 --vocab 1024
+    python bench/diagnostics/profile_decode_host.py --sample         # temperature / top-k / top-p sampling
 
 Each case runs generate() twice untimed (warm-up, capture or compilation), then times --reps
 calls and shows the fastest (on a shared machine noise only adds). The decoding phase is timed
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 
 from forge import _runtime  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Sweep the launch settings of the Triton RMSNorm and RoPE kernels on the GPU (device time per
 call, bf16) and print the best; the winners become the module defaults.
 
-    python bench/tune_triton.py [--out DIR]
+    python bench/diagnostics/tune_triton.py [--out DIR]
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import itertools
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 
 import torch  # noqa: E402
 

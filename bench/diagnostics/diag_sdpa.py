@@ -7,7 +7,7 @@ view of (B, S, H, D)) or contiguous; the last row of each case is what SDPA pick
 Prints only. The defaults are Qwen2.5-0.5B's (14 query heads, 2 key/value heads, head size 64),
 causal, bf16.
 
-    python bench/diag_sdpa.py [--shapes 4x1024,8x2048] [--heads 14 --kv-heads 2 --head-dim 64]
+    python bench/diagnostics/diag_sdpa.py [--shapes 4x1024,8x2048] [--heads 14 --kv-heads 2 --head-dim 64]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

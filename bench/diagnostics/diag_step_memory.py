@@ -3,7 +3,7 @@ and of reserved bytes, and for a ``-ro`` variant (mode="reduce-overhead") how in
 graph pool is used: its reserved segments against the most bytes alive in it while the graphs
 were recorded (a replay allocates nothing, so the recording step is where its peak shows).
 
-    python bench/diag_step_memory.py --variant forge+compile-ro [--batch 4 --seq-len 1024]
+    python bench/diagnostics/diag_step_memory.py --variant forge+compile-ro [--batch 4 --seq-len 1024]
         [--history snapshot.pickle.gz]   # the first steps' allocation history, and what is alive at its peak
 
 Variants as in bench_compile.py. Prints one JSON line (the first steps' peaks, the steady steps'
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402

@@ -1,9 +1,9 @@
 """The Pallas fused loss's grad_W accumulate (forge_pallas.fused_linear_ce._gw_accumulate):
 block sizes against XLA's dot + add, and the row-chunk loss's memory and time by chunk count.
 
-    python bench/diag_flce_grad_w.py --gemm   # grad_W += dz^T h at the two issue shapes, per
+    python bench/diagnostics/diag_flce_grad_w.py --gemm   # grad_W += dz^T h at the two issue shapes, per
                                               # (BV, BH, BK, warps, stages), against XLA
-    python bench/diag_flce_grad_w.py --rows   # 16384 x 4096 x 128256: the compiled function's
+    python bench/diagnostics/diag_flce_grad_w.py --rows   # 16384 x 4096 x 128256: the compiled function's
                                               # memory (XLA's own analysis) and time, 16-32 chunks
 
 JAX only (no torch tensors, no bridge): what the kernel and the chunking cost by themselves.
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402

@@ -14,7 +14,7 @@ On a CPU (Triton's interpreter) the launches are skipped in all three (``_launch
 so what is timed is host Python alone; with --launch on a GPU the kernels are launched too
 (there the device finishes each tiny kernel long before the host issues the next).
 
-    python bench/bench_op_overhead.py [--calls 2000] [--launch] [--quick]
+    python bench/diagnostics/bench_op_overhead.py [--calls 2000] [--launch] [--quick]
 
 Writes op_overhead-<device>.{json,csv} into --out.
 """
@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

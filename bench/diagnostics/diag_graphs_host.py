@@ -7,7 +7,7 @@ mark later than the device (``host ahead`` negative) the device waited.
 
 Prints only (medians over --steps synced steps). Train 4x1024 of Qwen2.5-0.5B by default.
 
-    python bench/diag_graphs_host.py [--recompute] [--batch 4 --seq-len 1024] [--steps 12]
+    python bench/diagnostics/diag_graphs_host.py [--recompute] [--batch 4 --seq-len 1024] [--steps 12]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: its helpers
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402

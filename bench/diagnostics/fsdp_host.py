@@ -23,7 +23,7 @@ the Triton launches, and with ``--cprofile`` where rank 0's Python goes; at two 
 host work without waiting for another rank; with two ranks on a shared two-core machine the
 waits in gloo's collectives dominate the wall time (the op counts are the same).
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 1 bench/fsdp_host.py --layers 2 6 --steps 40 \
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 1 bench/diagnostics/fsdp_host.py --layers 2 6 --steps 40 \
         --rounds 2 --variants eager forge:after forge:before [--kernels lora_qkv,lora_mlp] [--cprofile 10]
 
 Prints one table on rank 0 and writes fsdp_host-cpu.json into --out.
@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from forge import _runtime  # noqa: E402

@@ -1,6 +1,6 @@
 """Host cost of one decoder layer's LoRA projections, forward + backward: eager peft against
 forge's ``lora_qkv`` + ``lora_mlp``, on the CPU with forge's Triton launches replaced by counted
-no-ops (as bench/fsdp_host.py; the kernels' bodies are not what a host-bound step waits on).
+no-ops (as bench/diagnostics/fsdp_host.py; the kernels' bodies are not what a host-bound step waits on).
 
 Per variant: the main thread's CPU time per layer (q, k, v projections and the MLP, forward and
 backward, peft's LoRA on all of them), the top-level aten ops per layer other than views and
@@ -9,16 +9,16 @@ each launches at least one kernel on a GPU), all aten ops, the Python autograd n
 Triton launches. The tensors are tiny: each op costs about its dispatch, as on a
 host-bound GPU step. FSDP2 does not enter here: inside a layer's forward it has swapped the
 gathered weights in, and these projections run exactly as they do unsharded
-(bench/fsdp_host.py measures whole FSDP2 steps).
+(bench/diagnostics/fsdp_host.py measures whole FSDP2 steps).
 
-    python bench/lora_layer_host.py [--dropout 0.05] [--chunks 60] [--ops]
+    python bench/diagnostics/lora_layer_host.py [--dropout 0.05] [--chunks 60] [--ops]
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from forge import _runtime  # noqa: E402
