@@ -145,24 +145,24 @@ def test_fsdp2_cpu_matches_eager(cpu_results, name):
     assert_rule(cpu_results, name, pre + "ref", pre + "eager", torch.float32, reduction("cpu", CPU_TOKENS[0] * CPU_TOKENS[1]))
 
 
-def test_fsdp2_cpu_lora_dropout_draws_peft_masks(cpu_results):
+def test_fsdp2_cpu_lora_dropout_tracks_eager(cpu_results):
     """LoRA with lora_dropout=0.05, patched after fully_shard (examples/finetune_lora_fsdp2.py's
-    setting): on the CPU forge draws exactly the masks peft draws (same RNG, same order), so
-    its losses and first-step gradients are eager peft's in fp32 up to rounding."""
+    setting): forge draws its masks in the kernels (docs/lora.md), independent of peft's, so its
+    losses track eager's within 1% at every step (the GPU test's criterion), and they differ
+    from the same run without dropout (the masks are applied)."""
     ok, why = ops.availability("triton")
     if not ok:
         pytest.skip(why)
     info = cpu_results["runs"]["dlora_triton_after"]
     assert_fused(info, SHAPES["cpu"]["num_hidden_layers"], True)
-    k = reduction("cpu", CPU_TOKENS[0] * CPU_TOKENS[1])
-    bound = 100 * tolerance.atol(torch.float32, k)  # fp32 rounding; other masks are off by ~1e-2
     runs = cpu_results["runs"]
     for i, (f, e) in enumerate(zip(runs["dlora_triton_after"]["losses"], runs["dlora_eager"]["losses"])):
-        assert abs(f - e) <= bound * abs(e), f"loss at step {i}: forge {f} vs eager {e}"
-    gf, ge = cpu_results["grads"]["dlora_triton_after"], cpu_results["grads"]["dlora_eager"]
-    assert gf.keys() == ge.keys() and gf
-    for p in ge:
-        assert tolerance.rel_err(gf[p], ge[p]) <= bound, p
+        assert abs(f - e) <= 0.01 * abs(e), f"loss at step {i}: forge {f} vs eager {e}"
+    if "lora_triton_after" in runs:
+        assert runs["dlora_triton_after"]["losses"] != runs["lora_triton_after"]["losses"]
+    gf = cpu_results["grads"]["dlora_triton_after"]
+    assert gf.keys() == cpu_results["grads"]["dlora_eager"].keys() and gf
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in gf.values())
 
 
 # ------------------------------------------------------------------ two GPUs: NCCL, compiled kernels

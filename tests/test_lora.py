@@ -329,154 +329,21 @@ def test_errors_name_the_argument(backend, device):
             **m["kwargs"])
 
 
-# ---------------------------------------------------------------- lora_dropout (explicit masks)
-# peft's lora.Linear: base(x) + lora_B(lora_A(dropout(x))) * scaling, one mask per projection.
-# The kernels take the masks (forge/spec/lora_dropout.py); the reference applies the same ones.
-QKV_DROP = {"q": 0.1, "k": None, "v": 0.5}  # k without a mask: mixed projections in one call
-MLP_DROP = {"gate": 0.05, "up": 0.3, "down": 0.2}
-
-
-def with_masks(case, drops, widths, device):
-    """Add mask_<p> / dropout_<p> for each p with a probability, drawn as nn.Dropout would."""
-    lead = case["tensors"]["x"].shape[:-1]
-    for p, prob in drops.items():
-        if prob is not None:
-            case["kwargs"][f"mask_{p}"] = lora_dropout.draw((*lead, widths[p]), prob, torch.float32, device)
-            case["kwargs"][f"dropout_{p}"] = prob
-    return case
-
-
-def qkv_drop_case(shape, r, bias, dtype, device, adapter_dtype=None):
-    h = shape[1]
-    return with_masks(qkv_case(shape, r, bias, dtype, device, adapter_dtype), QKV_DROP, dict.fromkeys("qkv", h), device)
-
-
-def mlp_drop_case(shape, r, act, dtype, device, adapter_dtype=None):
-    _, h, inter = shape
-    return with_masks(mlp_case(shape, r, act, dtype, device, adapter_dtype), MLP_DROP,
-                      {"gate": h, "up": h, "down": inter}, device)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape,dtype,bias,r", _grid(QKV_CPU, QKV_GPU, QKV_VARIANTS[:1], QKV_VARIANTS_GPU[:2]))
-def test_dropout_lora_qkv(backend, shape, dtype, bias, r, device):
-    _check("lora_qkv", backend, qkv_spec.reference, qkv_drop_case(shape, r, bias, dtype, device))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape,dtype,act,r", _grid(MLP_CPU, MLP_GPU, MLP_VARIANTS[:1], MLP_VARIANTS_GPU[:2]))
-def test_dropout_lora_mlp(backend, shape, dtype, act, r, device):
-    _check("lora_mlp", backend, mlp_spec.reference, mlp_drop_case(shape, r, act, dtype, device))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dropout_fp32_adapters_on_bf16(backend, device):
-    # peft's default for a bf16 model: the input is cast to fp32, then dropped, then projected
-    _check("lora_mlp", backend, mlp_spec.reference,
-           mlp_drop_case(MLP_CPU["odd"], 16, "gelu_tanh", torch.bfloat16, device, adapter_dtype=torch.float32))
-
-
-def test_dropout_agree(device):
-    # the CPU variants of the two tests above (Pallas' compiled functions are reused)
-    _assert_agree("lora_qkv", qkv_drop_case(QKV_CPU["odd"], 8, True, F32, device))
-    _assert_agree("lora_mlp", mlp_drop_case(MLP_CPU["odd"], 8, "silu", F32, device))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dropout_off_is_the_plain_call(backend, device):
-    # mask None (dropout 0) takes the plain path: outputs and gradients bit for bit as without
-    # the arguments; a mask changes them (so the comparison can fail)
-    for key, case, off in (
-            ("lora_qkv", qkv_case(QKV_CPU["odd"], 8, True, F32, device), dict(mask_q=None, dropout_k=0.0)),
-            ("lora_mlp", mlp_case(MLP_CPU["odd"], 8, "silu", F32, device), dict(mask_down=None, dropout_up=0))):
-        fn = ops.get(key, backend)
-        res = []
-        for kw in ({}, off):
-            leaves = {n: t.clone().requires_grad_(n in case["diff"]) for n, t in case["tensors"].items()}
-            outs = fn(**leaves, **case["kwargs"], **kw)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
-            res.append([o.detach() for o in outs] + [leaves[n].grad for n in case["diff"]])
-        assert all(torch.equal(a, b) for a, b in zip(*res)), key
-    m = lora_dropout.draw(case["tensors"]["x"].shape, 0.5, F32, device)
-    assert not torch.equal(fn(**case["tensors"], **case["kwargs"], mask_gate=m, dropout_gate=0.5), res[0][0])
-
-
-def test_gradcheck_dropout(device):
-    d = dict(device=device, dtype=torch.float64)
-    x = torch.randn(3, 10, **d, requires_grad=True)
-    keep = [torch.rand(3, n, device=device) > 0.4 for n in (10, 10, 7)]
-    w = [torch.randn(n, 10, **d) for n in (6, 4, 4)]
-    ab = [t.requires_grad_() for r, n in ((3, 6), (2, 4), (3, 4))
-          for t in (torch.randn(r, 10, **d), torch.randn(n, r, **d))]
-
-    def qkv(x, *ab):
-        return forge_triton.lora_qkv(x, w[0], None, ab[0], ab[1], w[1], None, ab[2], ab[3], w[2], None, ab[4], ab[5],
-                                     scale_q=2.0, scale_k=0.5, scale_v=1.0, mask_k=keep[0], dropout_k=0.4)
-
-    assert torch.autograd.gradcheck(qkv, (x, *ab), fast_mode=True)
-    wg, wu, wd = torch.randn(7, 10, **d), torch.randn(7, 10, **d), torch.randn(10, 7, **d)
-    ab = [t.requires_grad_() for r, n_in, n_out in ((2, 10, 7), (3, 10, 7), (2, 7, 10))
-          for t in (torch.randn(r, n_in, **d), torch.randn(n_out, r, **d))]
-
-    def mlp(x, ag, bg, au, bu, ad, bd):
-        return forge_triton.lora_mlp(x, wg, ag, bg, wu, au, bu, wd, ad, bd, scale_gate=2.0, scale_up=0.5,
-                                     scale_down=1.5, mask_gate=keep[0], mask_up=keep[1], mask_down=keep[2],
-                                     dropout_gate=0.4, dropout_up=0.4, dropout_down=0.4)
-
-    assert torch.autograd.gradcheck(mlp, (x, *ab), fast_mode=True)
-
-
-def test_draw_is_nn_dropouts_mask(device):
-    # the same RNG state gives nn.Dropout's mask and leaves the RNG where nn.Dropout leaves it
-    x = torch.rand(5, 37, device=device) + 1  # no zeros: the dropped elements are the zeros
-    for p in (0.05, 0.5, 1.0):
-        torch.manual_seed(11)
-        want = torch.nn.Dropout(p).train()(x) != 0
-        after = torch.rand(4, device=device)
-        torch.manual_seed(11)
-        assert torch.equal(lora_dropout.draw(x.shape, p, x.dtype, device), want)
-        assert torch.equal(torch.rand(4, device=device), after)
-    assert not want.any()  # p = 1 drops everything
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dropout_errors(backend, device):
-    qkv, mlp = ops.get("lora_qkv", backend), ops.get("lora_mlp", backend)
-    case = qkv_case(ONE_ROW["qkv"], 8, True, torch.float32, device)
-    t, kw = case["tensors"], case["kwargs"]
-    keep = torch.ones(t["x"].shape, dtype=torch.bool, device=device)
-    with pytest.raises(ValueError, match="dropout_k=0.1 needs mask_k"):
-        qkv(**t, **kw, dropout_k=0.1)
-    with pytest.raises(TypeError, match="mask_q must be torch.bool"):
-        qkv(**t, **kw, mask_q=keep.float(), dropout_q=0.1)
-    with pytest.raises(ValueError, match="mask_v has shape"):
-        qkv(**t, **kw, mask_v=keep[..., :3], dropout_v=0.1)
-    with pytest.raises(ValueError, match=r"dropout_q must be in \[0, 1\]"):
-        qkv(**t, **kw, mask_q=keep, dropout_q=1.5)
-    m = mlp_case(ONE_ROW["mlp"], 8, "silu", torch.float32, device)
-    with pytest.raises(ValueError, match=r"mask_down has shape \(1, 1, 24\) but h = act\(gate\) \* up has"):
-        mlp(**m["tensors"], **m["kwargs"], mask_down=torch.ones(1, 1, 24, dtype=torch.bool, device=device),
-            dropout_down=0.1)
-
-
 def test_triton_remembered_signature_still_checks_every_call(device):
     # the Triton wrappers skip the spec's checks for a signature they already accepted; what
-    # varies per call (masks, probabilities, scales, frozen base weights) is still checked
+    # varies per call (seed, probabilities, scales, frozen base weights) is still checked
     import forge_triton
 
     case = qkv_case(ONE_ROW["qkv"], 8, True, torch.float32, device)
     t, kw = case["tensors"], case["kwargs"]
-    keep = torch.ones(t["x"].shape, dtype=torch.bool, device=device)
-    forge_triton.lora_qkv(**t, **kw, mask_q=keep, dropout_q=0.1)  # accepted: remembered
-    with pytest.raises(ValueError, match="dropout_k=0.1 needs mask_k"):
+    seed = lora_dropout.seed(device)
+    forge_triton.lora_qkv(**t, **kw, seed=seed, dropout_q=0.1)  # accepted: remembered
+    with pytest.raises(ValueError, match="dropout_k=0.1 needs a seed"):
         forge_triton.lora_qkv(**t, **kw, dropout_k=0.1)
-    with pytest.raises(TypeError, match="mask_q must be torch.bool"):
-        forge_triton.lora_qkv(**t, **kw, mask_q=keep.float(), dropout_q=0.1)
-    with pytest.raises(ValueError, match="mask_v has shape"):
-        forge_triton.lora_qkv(**t, **kw, mask_v=keep[..., :3], dropout_v=0.1)
+    with pytest.raises(TypeError, match="seed must be an int64 tensor of one element"):
+        forge_triton.lora_qkv(**t, **kw, seed=seed.float(), dropout_q=0.1)
     with pytest.raises(ValueError, match=r"dropout_q must be in \[0, 1\]"):
-        forge_triton.lora_qkv(**t, **kw, mask_q=keep, dropout_q=1.5)
+        forge_triton.lora_qkv(**t, **kw, seed=seed, dropout_q=1.5)
     with pytest.raises(TypeError, match="scale_k must be a number"):
         forge_triton.lora_qkv(**t, **{**kw, "scale_k": True})
     with pytest.raises(ValueError, match="w_k requires grad"):
@@ -487,9 +354,8 @@ def test_triton_remembered_signature_still_checks_every_call(device):
     forge_triton.lora_mlp(**m["tensors"], **m["kwargs"])
     with pytest.raises(ValueError, match="act must be one of"):
         forge_triton.lora_mlp(**m["tensors"], **{**m["kwargs"], "act": ["silu"]})
-    with pytest.raises(ValueError, match=r"mask_down has shape \(1, 1, 24\) but h = act\(gate\) \* up has"):
-        forge_triton.lora_mlp(**m["tensors"], **m["kwargs"],
-                              mask_down=torch.ones(1, 1, 24, dtype=torch.bool, device=device), dropout_down=0.1)
+    with pytest.raises(ValueError, match="dropout_down=0.1 needs a seed"):
+        forge_triton.lora_mlp(**m["tensors"], **m["kwargs"], dropout_down=0.1)
     with pytest.raises(ValueError, match="w_up requires grad"):
         forge_triton.lora_mlp(**{**m["tensors"], "w_up": m["tensors"]["w_up"].detach().requires_grad_()},
                               **m["kwargs"])

@@ -158,71 +158,93 @@ def test_infer_mode_skips():
 
 
 # ------------------------------------------------------------------ lora_dropout
-class _Fp32MaskDropout(torch.nn.Dropout):
-    """The float64 reference model's dropout: its mask drawn as for the fp32 models' inputs (on a
-    GPU, torch's dropout kernel maps random numbers to elements differently per dtype)."""
+class _HashDropout(torch.nn.Module):
+    """The unpatched models' lora_dropout in the dropout test: forge's masks
+    (forge/spec/lora_dropout.py) with the seeds the patched model draws, drawn at the same points
+    of the RNG stream: the first projection of a fused call draws the call's seed (q of q/k/v,
+    gate of the MLP, o alone), the call's other projections reuse it."""
+
+    FIRST = ("q", "gate", "o")
+
+    def __init__(self, p, name, shared):
+        super().__init__()
+        self.p, self.name, self.shared = p, name, shared
 
     def forward(self, x):
-        if not self.training:
+        if not self.training or not self.p:
             return x
-        keep = torch.nn.functional.dropout(torch.ones(x.shape, device=x.device), self.p, True) != 0
-        return torch.where(keep, x / (1 - self.p), 0)
+        if self.name in self.FIRST:
+            self.shared["seed"] = forge_lora_dropout.seed(x.device)
+        return forge_lora_dropout.apply(x, self.shared["seed"], forge_lora_dropout.SALT[self.name], self.p)
 
 
-def _dropout_ref(pm):
-    ref = copy.deepcopy(pm).double()
-    for m in ref.modules():
-        drops = getattr(m, "lora_dropout", None)
-        if isinstance(drops, torch.nn.ModuleDict):
-            for k, d in drops.items():
-                if type(d) is torch.nn.Dropout:
-                    drops[k] = _Fp32MaskDropout(d.p)
-    return ref
+def _hash_dropout(model):
+    """``model`` with every LoRA layer's dropout replaced by :class:`_HashDropout`, one shared seed
+    per attention module's q/k/v, o, and MLP."""
+    for mod in model.modules():
+        groups = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj", "down_proj")]
+        for group in groups:
+            shared = {}
+            for proj in group:
+                layer = getattr(mod, proj, None)
+                drops = getattr(layer, "lora_dropout", None)
+                if isinstance(drops, torch.nn.ModuleDict) and type(drops["default"]) is torch.nn.Dropout:
+                    drops["default"] = _HashDropout(drops["default"].p, proj.removesuffix("_proj"), shared)
+    return model
 
 
 def _seeded_step(model, ids, seed=5):
-    torch.manual_seed(seed)  # each model draws its masks from the same RNG state
+    torch.manual_seed(seed)  # each model draws its seeds from the same RNG state
     return step(model, ids)
 
 
 # CPU: qwen2 (q/k/v biases) with Triton (Pallas compiles a model's worth of new variants for a
-# minute in its interpreter; its kernels with masks are in test_lora.py); the GPU: both models x both
+# minute in its interpreter; its kernels with dropout are in test_lora_dropout.py); the GPU: both
+# models x both backends
 DROPOUT_CASES = [pytest.param("qwen2", "triton", id="qwen2-triton")] + [
     pytest.param(mt, b, id=f"{mt}-{b}-gpu", marks=pytest.mark.gpu) for mt in ("qwen2", "llama") for b in ops.BACKENDS]
+DROPOUT_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.mark.parametrize("model_type,backend", DROPOUT_CASES)
-def test_lora_dropout_matches_peft(model_type, backend, device, monkeypatch):
-    # peft's usual lora_dropout=0.05 in training: fused (counted), and with the RNG seeded alike
-    # forge drops exactly what peft drops: loss and every adapter gradient as peft's
+def test_lora_dropout_matches_the_reference(model_type, backend, device, monkeypatch):
+    # peft's usual lora_dropout=0.05 in training: fused (counted), one seed drawn per fused call,
+    # the masks drawn in the kernels. The unpatched models apply the same masks (_HashDropout):
+    # loss and every adapter gradient meet the oracle against the float64 one
     need(backend)
-    pm = lora_model(model_type, device, lora_dropout=0.05).train()
+    pm = lora_model(model_type, device, lora_dropout=0.05, target_modules=DROPOUT_TARGETS).train()
     ids = batch(pm, device)
-    ref = _dropout_ref(pm)
-    ref.train()
-    r, eager = _seeded_step(ref, ids), _seeded_step(pm, ids)
-    k = max(pm.config.vocab_size, pm.config.intermediate_size, ids.numel())
-    for name, e, x in [("loss", eager[0], r[0])] + [(n, eager[1][n], r[1][n]) for n in r[1]]:
-        # the reference drew peft's masks (else the oracle's bound, 2x eager's error, is void):
-        # fp32 rounding is ~1e-6 here; masks drawn in another order were off by ~1e-2
-        assert tolerance.rel_err(e, x) <= 100 * tolerance.atol(torch.float32, k), name
+    ref, eager = _hash_dropout(copy.deepcopy(pm).double()), _hash_dropout(copy.deepcopy(pm))
+    r, e = _seeded_step(ref, ids), _seeded_step(eager, ids)
     forge.patch(pm, backend=backend, kernels=LORA)
     n = pm.config.num_hidden_layers
     assert pm._forge_patched_counts == {"lora_qkv": n, "lora_mlp": n}, pm._forge_skipped
-    drawn = []
-    draw = forge_lora_dropout.draw
-    monkeypatch.setattr(forge_lora_dropout, "draw", lambda *a: drawn.append(draw(*a)) or drawn[-1])
+    seeds = []
+    draw = forge_lora_dropout.seed
+    monkeypatch.setattr(forge_lora_dropout, "seed", lambda dev: seeds.append(draw(dev)) or seeds[-1])
     patched = _seeded_step(pm, ids)
     assert pm._forge_guard_stats.fused("lora_qkv") == n and pm._forge_guard_stats.fused("lora_mlp") == n
-    assert len(drawn) == 6 * n  # one mask per projection: q, k, v, gate, up, down
-    dropped = 1 - torch.cat([m.flatten() for m in drawn]).float().mean().item()
-    assert 0.02 < dropped < 0.09, dropped  # p = 0.05 over ~7k elements: 0.05 +- 5 sigma
-    assert_like_eager(patched, eager, r, pm, ids)
-    assert not torch.equal(_seeded_step(pm, ids, seed=6)[0], patched[0])  # the masks matter
-    if device.type == "cpu":  # (checked where it ran; on CUDA the same cache serves native_dropout)
-        assert forge_lora_dropout._ONES  # the draws keep their dropout input between calls
+    assert len(seeds) == 2 * n and len({int(t) for t in seeds}) == 2 * n  # a fresh seed per call and layer
+    assert_like_eager(patched, e, r, pm, ids)
+    assert torch.equal(_seeded_step(pm, ids)[0], patched[0])  # torch.manual_seed reproduces the step
+    assert not torch.equal(_seeded_step(pm, ids, seed=6)[0], patched[0])  # and the masks matter
     forge.unpatch(pm)
-    assert not forge_lora_dropout._ONES, "unpatch left the dropout draws' ones allocated"
+
+
+def test_lora_dropout_under_gradient_checkpointing():
+    # the recompute draws its seeds again from the RNG state torch's checkpoint restores: the same
+    # masks as the forward, so the step equals the step without checkpointing
+    pm = lora_model("qwen3", lora_dropout=0.1, target_modules=DROPOUT_TARGETS).train()
+    plain = copy.deepcopy(pm)
+    pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for m in (pm, plain):
+        forge.patch(m, backend="triton", kernels=LORA)
+    ids = batch(pm, "cpu")
+    (la, ga), (lb, gb) = _seeded_step(pm, ids), _seeded_step(plain, ids)
+    assert pm._forge_guard_stats.fused("lora_mlp") == 2 * pm.config.num_hidden_layers  # (recomputed)
+    assert torch.equal(la, lb)
+    for name in gb:
+        assert tolerance.rel_err(ga[name], gb[name]) <= 1e-6, name
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from forge import ops
-from forge.spec import tolerance
+from forge.spec import lora_dropout, tolerance
 
 pytest.importorskip("jax")
 from bridge import _jax_internals as JI  # noqa: E402
@@ -47,8 +47,7 @@ def _cases(dtype, device, m):
     mlp = [lin(i, h), lin(r, h), lin(i, r), lin(i, h), lin(r, h), lin(i, r), lin(h, i), lin(r, i), lin(h, r)]
     b, s = 2, max(m // 2, 1)
 
-    def keep(*shape):
-        return torch.rand(*shape, device=device) > 0.2
+    seed = lora_dropout.seed(device)
     cos, sin = torch.randn(b, s, d, device=device).to(dtype), torch.randn(b, s, d, device=device).to(dtype)
     return {
         "rmsnorm": ((x, _w(h, dtype=dtype, device=device, scale=1.0)), (0, 1), {"eps": 1e-6}),
@@ -60,13 +59,12 @@ def _cases(dtype, device, m):
                   cos, sin), (0, 1), {}),
         "lora_qkv": ((x, *qkv), (0, 3, 4, 7, 8, 11, 12), {"scale_q": 2.0, "scale_k": 2.0, "scale_v": 0.5}),
         "lora_mlp": ((x, *mlp), (0, 2, 3, 5, 6, 8, 9), {"scale_gate": 2.0, "scale_up": 2.0, "scale_down": 0.5}),
-        # peft's lora_dropout: keep-masks (uint8 views) and the masked adapter paths in the plans
+        # peft's lora_dropout: the seed's words and the kernels that draw the masks in the plans
         "lora_qkv_dropout": ((x, *qkv), (0, 3, 4, 7, 8, 11, 12), {
-            "scale_q": 2.0, "scale_k": 2.0, "scale_v": 0.5, "mask_q": keep(m, h), "dropout_q": 0.1,
-            "mask_v": keep(m, h), "dropout_v": 0.3}),
+            "scale_q": 2.0, "scale_k": 2.0, "scale_v": 0.5, "seed": seed, "dropout_q": 0.1, "dropout_v": 0.3}),
         "lora_mlp_dropout": ((x, *mlp), (0, 2, 3, 5, 6, 8, 9), {
-            "scale_gate": 2.0, "scale_up": 2.0, "scale_down": 0.5, "mask_gate": keep(m, h), "dropout_gate": 0.1,
-            "mask_up": keep(m, h), "dropout_up": 0.1, "mask_down": keep(m, i), "dropout_down": 0.3}),
+            "scale_gate": 2.0, "scale_up": 2.0, "scale_down": 0.5, "seed": seed, "dropout_gate": 0.1,
+            "dropout_up": 0.1, "dropout_down": 0.3}),
     }
 
 
@@ -176,13 +174,16 @@ def _kernel_passes(sms: int = SMS[0]):
         return jax.ShapeDtypeStruct(shape, dt)
 
     h, i, r = 896, 4864, 8
-    rows = (1, 4097, 8192)  # (lora_qkv_bwd has no pallas_call: XLA's products only)
+    rows = (1, 4097, 8192)
     norm = dict(eps=1e-6, casting="llama", offset=0.0)
     gemma = dict(eps=1e-6, casting="gemma", offset=1.0)
     qkv_w = [t for n in (h, 128, 128) for t in (a(n, h), a(n), a(r, h), a(n, r))]
-    qkv_needs = (True,) + (False, False, True, True) * 3
+    qkv_needs = (True,) + (False, False, True, True) * 3 + (False,)
     mlp_w = [a(i, h), a(r, h), a(i, r), a(i, h), a(r, h), a(i, r), a(h, i), a(r, i), a(h, r)]
-    mlp_needs = (True, False, True, True, False, True, True, False, True, True)
+    mlp_needs = (True, False, True, True, False, True, True, False, True, True, False)
+    seed = a(2, dt=jnp.int32)
+    # forge.spec.lora_dropout's (salt word, threshold, scale) per projection
+    drops3 = tuple((0x12345678 + i, 838861, 1 / 0.95) for i in range(3))
     rope_kw = dict(q_layout="bhsd", k_layout="bshd", in_dtype="bfloat16")
 
     def rope_avals(bs):
@@ -218,11 +219,21 @@ def _kernel_passes(sms: int = SMS[0]):
         "rope_fwd": (functools.partial(rp.rope_fwd, **rope_kw), rope_avals, rope_rows),
         "rope_bwd": (functools.partial(rp.rope_bwd, **rope_kw), rope_bwd_avals, rope_rows),
         "lora_qkv_fwd": (functools.partial(lora.lora_qkv_fwd, scales=(2.0, 2.0, 0.5), has_bias=True),
-                         lambda m: (a(m, h), *qkv_w), rows),
+                         lambda m: (a(m, h), *qkv_w, seed), rows),
+        "lora_qkv_bwd": (functools.partial(lora.lora_qkv_bwd, scales=(2.0, 2.0, 0.5), has_bias=True, needs=qkv_needs),
+                         lambda m: ((a(m, h), *qkv_w, seed), (a(m, 3 * r),), (a(m, h), a(m, 128), a(m, 128))), rows),
         "lora_mlp_fwd": (functools.partial(lora.lora_mlp_fwd, scales=(2.0, 2.0, 0.5), gelu=False),
-                         lambda m: (a(m, h), *mlp_w), rows),
+                         lambda m: (a(m, h), *mlp_w, seed), rows),
         "lora_mlp_bwd": (functools.partial(lora.lora_mlp_bwd, scales=(2.0, 2.0, 0.5), gelu=False, needs=mlp_needs),
-                         lambda m: ((a(m, h), *mlp_w), (a(m, i), a(m, i), a(m, 32), a(m, 16)), (a(m, h),)), rows),
+                         lambda m: ((a(m, h), *mlp_w, seed), (a(m, i), a(m, i), a(m, 2 * r), a(m, r)), (a(m, h),)), rows),
+        # with dropout: the masks' kernels (the adapters' down-projection, its gradient with the
+        # rows in parts, the input's gradient, the MLP's backward step)
+        "lora_qkv_dropout_fwd": (functools.partial(lora.lora_qkv_fwd, scales=(2.0, 2.0, 0.5), has_bias=True,
+                                                   drops=drops3), lambda m: (a(m, h), *qkv_w, seed), rows),
+        "lora_mlp_dropout_bwd": (functools.partial(lora.lora_mlp_bwd, scales=(2.0, 2.0, 0.5), gelu=False,
+                                                   needs=mlp_needs, drops=drops3),
+                                 lambda m: ((a(m, h), *mlp_w, seed), (a(m, i), a(m, i), a(m, 2 * r), a(m, r)),
+                                            (a(m, h),)), rows),
         "flce_stats": (functools.partial(flce._stats, softcap=None, smooth=True),
                        lambda m: (a(m, 4096, dt=f32), None, a(m, dt=jnp.int32), (a(m, dt=f32),) * 4), rows),
         "flce_grad": (functools.partial(flce._grad, dtype=bf, softcap=30.0, one_minus_eps=0.9,

@@ -9,10 +9,11 @@ frozen. Anything else is left to peft and named in ``model._forge_skipped[key]``
 fit are still fused; counts say how many).
 
 Dropout: when an adapter's ``nn.Dropout`` is in training mode with p > 0 (its own ``training``
-flag, as peft reads it), the replaced forward draws that projection's keep-mask with
-``forge.spec.lora_dropout.draw`` in peft's order (q, k, v; gate, up, down), on the input's
-shape and the adapter's dtype, and hands it to the kernel: with the same RNG state the fused
-call drops exactly what peft would. Otherwise no mask: the call is the one without dropout.
+flag, as peft reads it), the replaced forward draws one seed for the call from torch's generator
+(``forge.spec.lora_dropout.seed``) and hands it and each projection's p to the kernel, which
+draws every projection's mask itself (its own stream of the seed). The masks are not peft's
+(docs/lora.md says why); keep rate and scaling are. Otherwise no seed: the call is the one
+without dropout.
 
 - ``lora_mlp``: the MLP module's forward (``down(act(gate(x)) * up(x))`` in every supported
   architecture) becomes one ``lora_mlp`` call; act from the config (silu -> swiglu,
@@ -174,15 +175,12 @@ def _compute_dtype(x, args, kwargs, w):
     return x.dtype if x.dtype == w.dtype else None
 
 
-def _masks(x, names, ps, widths) -> dict:
-    """``mask_<name>``/``dropout_<name>`` for the projections with dropout now, drawn in ``names``'
-    order as peft's forwards would draw them: on the projection input's shape (x's rows, then
-    ``width``) in the adapter's dtype (peft casts the input to lora_A's dtype before dropout)."""
-    out = {}
-    for name, p, width in zip(names, ps, widths):
-        if p[5]:
-            out[f"mask_{name}"] = _drop.draw((*x.shape[:-1], width), p[5], p[2].dtype, x.device)
-            out[f"dropout_{name}"] = p[5]
+def _dropout(x, names, ps) -> dict:
+    """``seed``/``dropout_<name>`` when a projection of the call drops now: one seed per call,
+    drawn from torch's generator for x's device (on the device: a CUDA graph replay draws anew)."""
+    out = {f"dropout_{name}": p[5] for name, p in zip(names, ps) if p is not None and p[5]}
+    if out:
+        out["seed"] = _drop.seed(x.device)
     return out
 
 
@@ -211,7 +209,7 @@ def _mlp_forward(kernel, act, lora_linear, ks):
         ts = (x, wg, ag, bg, wu, au, bu, wd, ad, bd)
         if torch.is_autocast_enabled(x.device.type):
             ts = _cast(cd, _MLP_NAMES, ts)
-        drop = _masks(x, ("gate", "up", "down"), ps, (x.shape[-1], x.shape[-1], wg.shape[0]))
+        drop = _dropout(x, ("gate", "up", "down"), ps)
         if not _compiling():
             ks.fused += 1
         # every tensor bound to its spec name (forge.spec.lora_mlp.TENSORS), never by position
@@ -234,7 +232,7 @@ def _qkv_forwards(kernel, lora_linear, ks):
         ts = [x] + [t for w, bias, a, b, _, _ in ps for t in (w, bias, a, b)]
         if torch.is_autocast_enabled(x.device.type):
             ts = _cast(cd, _QKV_NAMES, ts)
-        drop = _masks(x, "qkv", ps, (x.shape[-1],) * 3)
+        drop = _dropout(x, "qkv", ps)
         # every tensor bound to its spec name (forge.spec.lora_qkv.TENSORS)
         return kernel(**dict(zip(_QKV_NAMES, ts)), scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4], **drop)
 

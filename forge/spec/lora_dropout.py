@@ -1,28 +1,51 @@
-"""Dropout on a LoRA adapter's input, shared by ``lora_qkv`` and ``lora_mlp`` (every backend).
+"""Dropout on a LoRA adapter's input, drawn inside the kernels (``lora_qkv``, ``lora_o``,
+``lora_mlp``; every backend) from a counter-based hash.
 
 peft's ``lora.Linear`` computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: only the
-adapter path sees dropout, and each projection owns its ``nn.Dropout`` and draws its own mask.
-The fused kernels take that mask as an argument instead of drawing it, per projection::
+adapter path sees dropout, and each projection has its own mask. The kernels take one seed per
+call and a probability per projection::
 
-    mask_p: bool, the shape of the projection's input, True where an element is kept
-    dropout_p: float in [0, 1], the probability the mask was drawn with
+    seed: int64 tensor of one element on x's device (draw it with :func:`seed`), or None
+    dropout_p: float in [0, 1]; p > 0 needs a seed
 
-    dropped = x * mask_p * (1 / (1 - dropout_p))   # = apply(x, mask_p, dropout_p), x's dtype
-    lora_p  = F.linear(F.linear(dropped, a_p.to(x.dtype)), b_p.to(x.dtype)) * scale_p
+    dropped = x * keep(seed, SALT[p], x's rows and columns, dropout_p) * scale(dropout_p)
+    lora_p  = F.linear(F.linear(dropped, a_p), b_p) * scale_p
 
-``mask_p=None`` means no dropout (``dropout_p`` must then be 0): the kernels take exactly the
-path they take without these arguments. A bool mask costs one byte an element and is all that
-backward needs besides x, which the kernels keep anyway (peft keeps the dropped-out copy in the
-adapter dtype, plus torch's own mask).
+The keep-mask is a pure function of the seed, the projection's salt and each element's row
+(index over the input's leading dimensions, flattened) and column (index in the last one): the
+kernels compute it where they read the adapter's input, in forward and again in backward, and
+keep nothing mask-sized. :func:`bits` is that function in torch (the reference); the Triton and
+Pallas kernels compute the same bits, so their masks are identical element for element.
 
-:func:`draw` draws a mask with the same random numbers ``nn.Dropout`` would consume at that
-point of the RNG stream for an input of that shape, dtype and device, so a forward that draws
-in peft's order (q, k, v; gate, up, down) drops exactly what peft would have dropped.
+The hash, all arithmetic on unsigned 32-bit words (wrapping)::
+
+    mix(h):   h ^= h >> 16; h *= 0x7FEB352D; h ^= h >> 15; h *= 0x846CA68B; h ^= h >> 16
+              (a bijection of 32-bit words with good avalanche: C. Wellons' "lowbias32")
+    key_row = mix(seed_lo ^ mix(seed_hi ^ salt_word(salt)))    seed_lo, seed_hi: the seed's halves
+    key_col = mix(key_row ^ 0x9E3779B9)
+    bits[r, c] = mix(mix(r ^ key_row) ^ mix(c ^ key_col))
+    keep[r, c] = (bits[r, c] >> 8) >= threshold(p)             threshold(p) = round(p * 2**24)
+
+So an element is kept with probability ``1 - threshold(p) / 2**24`` (p to within 2**-25; p = 0
+keeps all, p = 1 drops all) and scaled by ``1 / (1 - p)`` (0 for p = 1), as torch's dropout does.
+A kernel's row and column keys are computed once per tile row and column, one ``mix`` per
+element.
+
+Streams: every projection has its own salt (:data:`SALT`), every call draws a fresh seed from
+torch's generator for the device (so ``torch.manual_seed`` reproduces a run, torch's gradient
+checkpointing, which restores the RNG before its recompute, sees the same masks again, and a
+CUDA graph replay draws a fresh seed on the device: no host read of the seed anywhere).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+MUL1, MUL2 = 0x7FEB352D, 0x846CA68B
+THRESHOLD_BITS = 24  # the compare uses the hash's top 24 bits
+# one stream per projection within a call (a call's projections share its seed)
+SALT = {"q": 1, "k": 2, "v": 3, "o": 4, "gate": 5, "up": 6, "down": 7}
 
 
 def scale(p: float) -> float:
@@ -30,85 +53,125 @@ def scale(p: float) -> float:
     return 0.0 if p >= 1 else 1.0 / (1.0 - p)
 
 
-_ONES: dict = {}  # (shape, dtype, device) -> a tensor of ones, draw()'s dropout input (read, never written)
-_ONES_KEPT = 2  # a model draws on two shapes per step (x's, and h's for the MLP's down adapter)
+def threshold(p: float) -> int:
+    """Kept where the hash's top 24 bits are at least this (an int in [0, 2**24])."""
+    return int(round(float(p) * (1 << THRESHOLD_BITS)))
+
+
+def mix_word(h: int) -> int:
+    """``mix`` on one Python int (host side: the salt words)."""
+    h &= MASK32
+    h ^= h >> 16
+    h = (h * MUL1) & MASK32
+    h ^= h >> 15
+    h = (h * MUL2) & MASK32
+    return h ^ (h >> 16)
+
+
+def salt_word(salt: int) -> int:
+    """The 32-bit word a salt enters the key as (unsigned)."""
+    return mix_word(salt * GOLDEN)
+
+
+def signed(word: int) -> int:
+    """A 32-bit word as the signed int32 with the same bits (what kernels take as an argument)."""
+    word &= MASK32
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def seed(device) -> torch.Tensor:
+    """One int64 seed, shape (1,), drawn from torch's generator for ``device`` on the device
+    itself (a CUDA graph capture records the draw: each replay draws anew)."""
+    return torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
 
 
 def release() -> None:
-    """Drop the kept ones (forge.unpatch calls it: nothing of forge's stays allocated after a
-    model is unpatched and deleted; the next draw makes them again)."""
-    _ONES.clear()
+    """Nothing of the dropout is kept between calls; ``forge.unpatch`` calls this all the same."""
 
 
-def _ones(shape, dtype, device: torch.device) -> torch.Tensor:
-    key = (tuple(shape), dtype, device)
-    t = _ONES.get(key)
-    if t is None:
-        t = torch.ones(shape, dtype=dtype, device=device)
-        if len(_ONES) >= _ONES_KEPT:
-            del _ONES[next(iter(_ONES))]
-        _ONES[key] = t
-    return t
+# -------------------------------------------------------------------------- the hash in torch
+def _mul(h: torch.Tensor, c: int) -> torch.Tensor:
+    # (h * c) mod 2**32 for h in [0, 2**32) held in int64, without overflowing int64: c in halves
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & MASK32
 
 
-def draw(shape, p: float, dtype: torch.dtype, device) -> torch.Tensor:
-    """A bool keep-mask as ``nn.Dropout(p)`` in training would draw for a ``(shape, dtype,
-    device)`` input. It runs torch's own dropout on ones: whichever kernel torch picks for that
-    device (bernoulli on the CPU, the fused Philox kernel on CUDA), the mask and the RNG it
-    consumes are the ones peft's call would have had (dropout never reads the input values).
-
-    Host cost (a training step draws six masks a decoder layer): the ones are kept between calls
-    (the last two shapes, ~94 MB in fp32 at 4096 tokens of Qwen2.5-0.5B's widths; not while
-    torch.compile traces or a CUDA graph captures), and on CUDA,
-    for 0 < p < 1, the mask is ``torch.native_dropout``'s own: ``F.dropout`` is that very call
-    there (``at::dropout`` takes its fused kernel), so the mask and the RNG offsets are the same,
-    without the comparison that recovers the mask from the output. Elsewhere (the CPU's
-    bernoulli path, p = 1, an empty shape) ``F.dropout(ones) != 0`` as always."""
-    dev = device if type(device) is torch.device else torch.device(device)
-    if torch.compiler.is_compiling() or (dev.type != "cpu" and dev.index is None):
-        return F.dropout(torch.ones(shape, dtype=dtype, device=device), p, True) != 0
-    if dev.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():  # a graph's reads must stay valid at replay
-            return F.dropout(torch.ones(shape, dtype=dtype, device=device), p, True) != 0
-        ones = _ones(shape, dtype, dev)
-        if 0.0 < p < 1.0 and ones.numel():
-            return torch.native_dropout(ones, p, True)[1]
-        return F.dropout(ones, p, True) != 0
-    return F.dropout(_ones(shape, dtype, dev), p, True) != 0
+def mix(h: torch.Tensor) -> torch.Tensor:
+    """``mix`` on int64 tensors holding 32-bit words."""
+    h = h ^ (h >> 16)
+    h = _mul(h, MUL1)
+    h = h ^ (h >> 15)
+    h = _mul(h, MUL2)
+    return h ^ (h >> 16)
 
 
-def apply(t: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
-    """Dropout with a given mask: ``t`` where kept, scaled by :func:`scale`; 0 elsewhere. Also the
-    backward of dropout (the same map on the gradient)."""
-    if mask is None:
+def keys(seed_t: torch.Tensor, salt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_row, key_col) as int64 scalars on the seed's device."""
+    s = seed_t.reshape(()).to(torch.int64)
+    lo, hi = s & MASK32, (s >> 32) & MASK32
+    k_row = mix(lo ^ mix(hi ^ salt_word(salt)))
+    return k_row, mix(k_row ^ GOLDEN)
+
+
+def bits(seed_t: torch.Tensor, salt: int, rows: int, cols: int) -> torch.Tensor:
+    """The (rows, cols) hash words (int64 holding uint32) of stream ``(seed, salt)``."""
+    k_row, k_col = keys(seed_t, salt)
+    dev = seed_t.device
+    rk = mix(torch.arange(rows, dtype=torch.int64, device=dev) ^ k_row)
+    ck = mix(torch.arange(cols, dtype=torch.int64, device=dev) ^ k_col)
+    return mix(rk[:, None] ^ ck[None, :])
+
+
+def keep(seed_t: torch.Tensor, salt: int, shape, p: float) -> torch.Tensor:
+    """The bool keep-mask of an input of ``shape`` (rows: the leading dimensions flattened)."""
+    shape = tuple(shape)
+    cols = shape[-1] if shape else 1
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    b = bits(seed_t, salt, rows, cols)
+    return ((b >> 8) >= threshold(p)).reshape(shape)
+
+
+def apply(t: torch.Tensor, seed_t, salt: int, p: float) -> torch.Tensor:
+    """Dropout of stream ``(seed, salt)`` with probability ``p``: ``t`` where kept, scaled by
+    :func:`scale`; 0 elsewhere (a product, as torch's dropout: NaN stays NaN). Also the
+    backward of dropout (the same map on the gradient). ``p == 0`` returns ``t``."""
+    if not p:
         return t
-    return torch.mul(t, mask).mul_(scale(p))  # a product, as torch's dropout: NaN stays NaN
+    return torch.mul(t, keep(seed_t, salt, t.shape, p).to(t.device)).mul_(scale(p))
 
 
-def check(name: str, mask, p, shape, device, of: str) -> None:
-    """``mask_<name>`` and ``dropout_<name>`` against the projection's input ``of`` (its shape
-    and device)."""
+def check(name: str, p, has_adapter: bool = True) -> None:
+    """``dropout_<name>``: a number in [0, 1], and 0 for a projection without an adapter."""
     if isinstance(p, bool) or not isinstance(p, float | int):
         raise TypeError(f"dropout_{name} must be a number, got {type(p).__name__}")
     if not 0 <= p <= 1:
         raise ValueError(f"dropout_{name} must be in [0, 1], got {p}")
-    if mask is None:
-        if p != 0:
-            raise ValueError(f"dropout_{name}={p} needs mask_{name} (draw one with forge.spec.lora_dropout.draw)")
+    if p and not has_adapter:
+        raise ValueError(f"dropout_{name}={p} but {name} has no adapter (a_{name} and b_{name} are None)")
+
+
+def check_seed(seed_t, ps, device) -> None:
+    """The seed a call's dropout needs: required when any probability is > 0."""
+    if seed_t is None:
+        wants = [name for name, p in ps.items() if p]
+        if wants:
+            raise ValueError(f"dropout_{wants[0]}={ps[wants[0]]} needs a seed (draw one with "
+                             "forge.spec.lora_dropout.seed(device))")
         return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask_{name} must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask_{name} must be torch.bool (True where kept), got {mask.dtype}")
-    if mask.shape != tuple(shape):
-        raise ValueError(f"mask_{name} has shape {tuple(mask.shape)} but {of} has {tuple(shape)}")
-    if mask.device != device:
-        raise ValueError(f"mask_{name} is on {mask.device} but {of} is on {device}")
+    if not isinstance(seed_t, torch.Tensor):
+        raise TypeError(f"seed must be a torch.Tensor (int64, one element), got {type(seed_t).__name__}")
+    if seed_t.dtype != torch.int64 or seed_t.numel() != 1:
+        raise TypeError(f"seed must be an int64 tensor of one element, got {seed_t.dtype} of shape "
+                        f"{tuple(seed_t.shape)}")
+    if seed_t.device != device:
+        raise ValueError(f"seed is on {seed_t.device} but x is on {device}")
 
 
-def rows(mask: torch.Tensor | None, width: int) -> torch.Tensor | None:
-    """A mask as contiguous (M, width) rows, like the kernels' inputs."""
-    return None if mask is None else mask.reshape(-1, width).contiguous()
+def words(seed_t: torch.Tensor) -> torch.Tensor:
+    """The seed as the kernels read it: two int32 words (low, high), a view of its memory."""
+    return seed_t.reshape(1).view(torch.int32)
 
 
-__all__ = ["apply", "check", "draw", "rows", "scale"]
+__all__ = ["SALT", "apply", "bits", "check", "check_seed", "keep", "release", "salt_word", "scale", "seed",
+           "signed", "threshold", "words"]

@@ -4,25 +4,25 @@ gemma, gemma2: gelu_tanh), as ``MLP.forward`` computes it: ``down(act(gate(x)) *
 Signature (every backend)::
 
     lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
-             *, scale_gate, scale_up, scale_down, act="silu", mask_gate=None, mask_up=None,
-             mask_down=None, dropout_gate=0.0, dropout_up=0.0, dropout_down=0.0) -> y
+             *, scale_gate, scale_up, scale_down, act="silu", seed=None, dropout_gate=0.0,
+             dropout_up=0.0, dropout_down=0.0) -> y
 
     x: (..., H)   w_gate, w_up: (I, H)   w_down: (H, I)   frozen base weights, no bias
     a_gate, a_up: (r, H)   b_gate, b_up: (I, r)   a_down: (r, I)   b_down: (H, r)
     scale_*: float (alpha / r)   act: "silu" (swiglu) or "gelu_tanh" (geglu)
     x and the w's share one dtype, the a's and b's one (possibly another); ranks may differ
-    mask_gate, mask_up: bool (..., H), mask_down: bool (..., I) (down's input is h), or None;
-    dropout_*: their probabilities (peft's lora_dropout, forge/spec/lora_dropout.py)
+    dropout_*: peft's lora_dropout on each adapter's input (down's input is h); seed: the call's
+    int64 seed, each projection its own stream of it (forge/spec/lora_dropout.py)
 
 Equivalent torch (``project`` is one peft LoRA linear, see ``forge.spec.lora_qkv``)::
 
-    g = project(x, w_gate, None, a_gate, b_gate, scale_gate, mask_gate, dropout_gate)  # (..., I)
-    u = project(x, w_up, None, a_up, b_up, scale_up, mask_up, dropout_up)              # (..., I)
-    h = act(g) * u                                                     # (..., I), x.dtype
-    y = project(h, w_down, None, a_down, b_down, scale_down, mask_down, dropout_down)  # (..., H)
+    g = project(x, w_gate, None, a_gate, b_gate, scale_gate, seed, SALT["gate"], dropout_gate)  # (..., I)
+    u = project(x, w_up, None, a_up, b_up, scale_up, seed, SALT["up"], dropout_up)              # (..., I)
+    h = act(g) * u                                                                # (..., I), x.dtype
+    y = project(h, w_down, None, a_down, b_down, scale_down, seed, SALT["down"], dropout_down)  # (..., H)
 
-Kernels save x, g, u, the masks and the rank-r products xa_p = drop_p(x) a_p^T and
-ha = drop_down(h) a_down^T, and recompute act(g), h and the dropped inputs in backward. Gradients flow to x and to
+Kernels save x, g, u, the seed and the rank-r products xa_p = drop_p(x) a_p^T and
+ha = drop_down(h) a_down^T, and recompute act(g), h and the masks in backward. Gradients flow to x and to
 every a and b; base weights are frozen (ValueError if one requires grad while grad is enabled).
 Backward, with dy the output gradient::
 
@@ -32,7 +32,7 @@ Backward, with dy the output gradient::
     dxa_p = scale_p * dp b_p  (p = gate, up)     d b_p = scale_p * dp^T xa_p;  d a_p = dxa_p^T drop_p(x)
     dx    = dg w_gate + du w_up + drop_gate(dxa_gate a_gate) + drop_up(dxa_up a_up)   accumulated once
 
-(drop_p: lora_dropout.apply with mask_p, the identity without a mask)
+(drop_p: lora_dropout.apply of p's stream, the identity for dropout_p = 0)
 """
 from __future__ import annotations
 
@@ -43,15 +43,15 @@ from .lora_qkv import _proj_args, frozen, project
 
 ACTS = ("silu", "gelu_tanh")
 PROJ = ("gate", "up", "down")
-# the tensor arguments by name, in the signature's order (the masks are keywords), and those
+# the tensor arguments by name, in the signature's order (the seed is a keyword), and those
 # with a gradient: every backend binds its gradients to these names, never to positions
-TENSORS = ("x", *(f"{t}_{p}" for p in PROJ for t in ("w", "a", "b")), *(f"mask_{p}" for p in PROJ))
+TENSORS = ("x", *(f"{t}_{p}" for p in PROJ for t in ("w", "a", "b")), "seed")
 TRAINABLE = ("x", *(f"{t}_{p}" for p in PROJ for t in ("a", "b")))
 
 
 def check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
-          *, scale_gate, scale_up, scale_down, act="silu", mask_gate=None, mask_up=None, mask_down=None,
-          dropout_gate=0.0, dropout_up=0.0, dropout_down=0.0) -> None:
+          *, scale_gate, scale_up, scale_down, act="silu", seed=None, dropout_gate=0.0, dropout_up=0.0,
+          dropout_down=0.0) -> None:
     _check.tensor("x", x)
     if act not in ACTS:
         raise ValueError(f"act must be one of {ACTS}, got {act!r}")
@@ -65,9 +65,10 @@ def check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
     if w_down.shape[0] != x.shape[-1]:
         raise ValueError(f"w_down has {w_down.shape[0]} output features but x's last dimension is {x.shape[-1]}")
     _check.same_dtype("a_gate", a_gate, "a_down", a_down)
-    lora_dropout.check("gate", mask_gate, dropout_gate, x.shape, x.device, "x")
-    lora_dropout.check("up", mask_up, dropout_up, x.shape, x.device, "x")
-    lora_dropout.check("down", mask_down, dropout_down, (*x.shape[:-1], inter), x.device, "h = act(gate) * up")
+    ps = {"gate": dropout_gate, "up": dropout_up, "down": dropout_down}
+    for p, d in ps.items():
+        lora_dropout.check(p, d)
+    lora_dropout.check_seed(seed, ps, x.device)
 
 
 def activation(g, act: str):
@@ -77,15 +78,16 @@ def activation(g, act: str):
 
 
 def reference(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
-              *, scale_gate, scale_up, scale_down, act="silu", mask_gate=None, mask_up=None, mask_down=None,
-              dropout_gate=0.0, dropout_up=0.0, dropout_down=0.0):
+              *, scale_gate, scale_up, scale_down, act="silu", seed=None, dropout_gate=0.0, dropout_up=0.0,
+              dropout_down=0.0):
     check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
-          scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act, mask_gate=mask_gate,
-          mask_up=mask_up, mask_down=mask_down, dropout_gate=dropout_gate, dropout_up=dropout_up,
-          dropout_down=dropout_down)
-    g = project(x, w_gate, None, a_gate, b_gate, scale_gate, mask_gate, dropout_gate)
-    u = project(x, w_up, None, a_up, b_up, scale_up, mask_up, dropout_up)
-    return project(activation(g, act) * u, w_down, None, a_down, b_down, scale_down, mask_down, dropout_down)
+          scale_gate=scale_gate, scale_up=scale_up, scale_down=scale_down, act=act, seed=seed,
+          dropout_gate=dropout_gate, dropout_up=dropout_up, dropout_down=dropout_down)
+    salt = lora_dropout.SALT
+    g = project(x, w_gate, None, a_gate, b_gate, scale_gate, seed, salt["gate"], dropout_gate)
+    u = project(x, w_up, None, a_up, b_up, scale_up, seed, salt["up"], dropout_up)
+    return project(activation(g, act) * u, w_down, None, a_down, b_down, scale_down, seed, salt["down"],
+                   dropout_down)
 
 
 def elements(x, *_a, **_k) -> int:

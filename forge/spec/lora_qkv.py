@@ -3,15 +3,16 @@
 Signature (every backend)::
 
     lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-             *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
-             dropout_q=0.0, dropout_k=0.0, dropout_v=0.0) -> (q, k, v)
+             *, scale_q, scale_k, scale_v, seed=None, dropout_q=0.0, dropout_k=0.0, dropout_v=0.0)
+        -> (q, k, v)
 
     x: (..., H)   w_p: (N_p, H) frozen base weight   bias_p: (N_p,) frozen, or None
     a_p: (r_p, H) lora_A.weight   b_p: (N_p, r_p) lora_B.weight   scale_p: float (alpha / r)
     x, w_p, bias_p share one dtype; all a_p, b_p share one (possibly another, e.g. peft's fp32);
     ranks may differ per projection
-    mask_p: bool (..., H) keep-mask of peft's lora_dropout on p's adapter input, or None (no
-    dropout); dropout_p: its probability (forge/spec/lora_dropout.py)
+    dropout_p: peft's lora_dropout on p's adapter input; seed: the call's int64 seed (one element,
+    on x's device; needed when a dropout_p > 0), each projection its own stream of it
+    (forge/spec/lora_dropout.py: the masks are a hash of seed, SALT[p] and the element's indices)
 
 Equivalent torch, per projection p. The adapter path runs in x's dtype: a_p and b_p are rounded
 to it first (peft keeps adapters in fp32 on a bf16 model and computes this path in fp32; forge
@@ -19,20 +20,20 @@ runs its products on bf16/fp16 operands with fp32 accumulation, on the tensor co
 fp32 adapters fp32 gradients)::
 
     base = F.linear(x, w_p, bias_p)                                     # (..., N_p), x.dtype
-    xd_p = lora_dropout.apply(x, mask_p, dropout_p)                    # x if no mask
+    xd_p = lora_dropout.apply(x, seed, SALT[p], dropout_p)             # x if dropout_p == 0
     lora = F.linear(F.linear(xd_p, a_p.to(x.dtype)), b_p.to(x.dtype)) * scale_p
     p = base + lora                                                     # x.dtype
 
 Gradients flow to x and to every a_p and b_p. The base weights and biases are frozen: kernels
 compute no gradient for them and raise ValueError if one requires grad while grad is enabled
 (peft freezes them; train the base with plain nn.Linear instead). Backward, with xa_p = xd_p a_p^T
-(M, r_p) saved from the forward, xd_p recomputed from x and mask_p, g_p the output gradient::
+(M, r_p) saved from the forward, xd_p recomputed from x and the seed, g_p the output gradient::
 
     d b_p  = scale_p * g_p^T xa_p                       (N_p, r_p)
     d xa_p = scale_p * g_p b_p                          (M, r_p)
     d a_p  = d xa_p^T xd_p                              (r_p, H)
     d x    = sum_p (g_p w_p + drop_p(d xa_p a_p))       accumulated once, base and LoRA paths
-                                                        (drop_p = lora_dropout.apply with mask_p)
+                                             (drop_p = lora_dropout.apply of p's stream)
 
 every product with x's dtype as operands (a_p, b_p rounded to it) and fp32 accumulation; d a_p
 and d b_p are written in the adapter's dtype (fp32 for peft's fp32 adapters, never rounded
@@ -45,9 +46,9 @@ import torch.nn.functional as F
 from . import _check, lora_dropout
 
 PROJ = ("q", "k", "v")
-# the tensor arguments by name, in the signature's order (the masks are keywords), and those
+# the tensor arguments by name, in the signature's order (the seed is a keyword), and those
 # with a gradient: every backend binds its gradients to these names, never to positions
-TENSORS = ("x", *(f"{t}_{p}" for p in PROJ for t in ("w", "bias", "a", "b")), *(f"mask_{p}" for p in PROJ))
+TENSORS = ("x", *(f"{t}_{p}" for p in PROJ for t in ("w", "bias", "a", "b")), "seed")
 TRAINABLE = ("x", *(f"{t}_{p}" for p in PROJ for t in ("a", "b")))
 
 
@@ -82,14 +83,15 @@ def _proj_args(name, x, w, bias, a, b, scale, *, width=None, in_name="x"):
 
 
 def check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-          *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
-          dropout_q=0.0, dropout_k=0.0, dropout_v=0.0) -> None:
+          *, scale_q, scale_k, scale_v, seed=None, dropout_q=0.0, dropout_k=0.0, dropout_v=0.0) -> None:
     _check.tensor("x", x)
     _proj_args("q", x, w_q, bias_q, a_q, b_q, scale_q)
     _proj_args("k", x, w_k, bias_k, a_k, b_k, scale_k)
     _proj_args("v", x, w_v, bias_v, a_v, b_v, scale_v)
-    for p, m, d in zip(PROJ, (mask_q, mask_k, mask_v), (dropout_q, dropout_k, dropout_v)):
-        lora_dropout.check(p, m, d, x.shape, x.device, "x")
+    ps = dict(zip(PROJ, (dropout_q, dropout_k, dropout_v)))
+    for p, d in ps.items():
+        lora_dropout.check(p, d)
+    lora_dropout.check_seed(seed, ps, x.device)
     # one adapter dtype: kernels run the three down-projections as one GEMM
     _check.same_dtype("a_q", a_q, "a_k", a_k)
     _check.same_dtype("a_q", a_q, "a_v", a_v)
@@ -105,23 +107,24 @@ def frozen(grad_enabled: bool, **named) -> None:
                              "frozen (no gradient); freeze it or use the unfused layer")
 
 
-def project(x, w, bias, a, b, scale, mask=None, p=0.0):
-    """One LoRA linear, its adapter rounded to x's dtype: the reference for a single projection
-    (also used by lora_mlp). The rounding is differentiable: fp32 adapters get fp32 gradients."""
+def project(x, w, bias, a, b, scale, seed=None, salt=0, p=0.0):
+    """One LoRA linear, its adapter rounded to x's dtype and its input dropped out with stream
+    (seed, salt): the reference for a single projection (also used by lora_mlp, lora_o). The
+    rounding is differentiable: fp32 adapters get fp32 gradients."""
     base = F.linear(x, w, bias)
-    lora = F.linear(F.linear(lora_dropout.apply(x, mask, p), a.to(x.dtype)), b.to(x.dtype)) * scale
+    lora = F.linear(F.linear(lora_dropout.apply(x, seed, salt, p), a.to(x.dtype)), b.to(x.dtype)) * scale
     return base + lora
 
 
 def reference(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-              *, scale_q, scale_k, scale_v, mask_q=None, mask_k=None, mask_v=None,
-              dropout_q=0.0, dropout_k=0.0, dropout_v=0.0):
+              *, scale_q, scale_k, scale_v, seed=None, dropout_q=0.0, dropout_k=0.0, dropout_v=0.0):
     check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
-          scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, mask_q=mask_q, mask_k=mask_k, mask_v=mask_v,
+          scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, seed=seed,
           dropout_q=dropout_q, dropout_k=dropout_k, dropout_v=dropout_v)
-    return (project(x, w_q, bias_q, a_q, b_q, scale_q, mask_q, dropout_q),
-            project(x, w_k, bias_k, a_k, b_k, scale_k, mask_k, dropout_k),
-            project(x, w_v, bias_v, a_v, b_v, scale_v, mask_v, dropout_v))
+    salt = lora_dropout.SALT
+    return (project(x, w_q, bias_q, a_q, b_q, scale_q, seed, salt["q"], dropout_q),
+            project(x, w_k, bias_k, a_k, b_k, scale_k, seed, salt["k"], dropout_k),
+            project(x, w_v, bias_v, a_v, b_v, scale_v, seed, salt["v"], dropout_v))
 
 
 def elements(x, *_a, **_k) -> int:
