@@ -23,6 +23,7 @@ _WHERE = {
     "rope": ("kernels", "rope"),
     "lora_qkv": ("lora", "lora_qkv"),
     "lora_mlp": ("lora", "lora_mlp"),
+    "lora_o": ("lora", "lora_o"),
     "decode_attention": ("kernels", "decode_attention"),  # (the decoding path's, forward only)
     # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
     "mlp_act": ("kernels", "mlp_act"),

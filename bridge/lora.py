@@ -1,5 +1,5 @@
 """LoRA kernels through the bridge: ``forge_pallas.lora`` on torch tensors, in the signatures of
-forge/spec/lora_qkv.py and forge/spec/lora_mlp.py.
+forge/spec/lora_qkv.py, lora_o.py and lora_mlp.py.
 
 Base weights and biases are frozen (no gradient, ValueError if one requires grad while grad is
 enabled). Biases: all three None uses the no-bias kernel; some None are replaced by zeros.
@@ -18,6 +18,7 @@ import torch
 
 from forge.spec import lora_dropout as drop_spec
 from forge.spec import lora_mlp as mlp_spec
+from forge.spec import lora_o as o_spec
 from forge.spec import lora_qkv as qkv_spec
 from forge_pallas import lora as _k
 
@@ -131,4 +132,36 @@ def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down
     y = core.apply(LORA_MLP, x.reshape(-1, h), *flat, _seed_words(seed, ps, w_gate),
                    scales=tuple(float(s) for s in scales), gelu=act == "gelu_tanh",
                    **_static(mlp_spec.PROJ, adapters, ps))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------- o
+O_INPUTS = o_spec.TENSORS
+O_INPUTS_NOBIAS = tuple(n for n in o_spec.TENSORS if n != "bias")
+LORA_O = core.KernelDef("lora_o", _k.lora_o_fwd, _k.lora_o_bwd, diff=_at(O_INPUTS, o_spec.TRAINABLE),
+                        save=_at(O_INPUTS, set(O_INPUTS) - {"bias"}), needs_mask=True)
+LORA_O_NOBIAS = core.KernelDef("lora_o_nobias", _k.lora_o_fwd, _k.lora_o_bwd,
+                               diff=_at(O_INPUTS_NOBIAS, o_spec.TRAINABLE), needs_mask=True)
+
+
+def _check_o(ts, scale, drop):
+    o_spec.check(*ts, scale=scale, **drop)
+    check_devices(**{n: t for n, t in zip(O_INPUTS, ts) if t is not None})
+
+
+def lora_o(x, w, bias, a, b, *, scale, seed=None, dropout=0.0):
+    """Pallas LoRA linear (forge.spec.lora_o) -> y."""
+    ts = (x, w, bias, a, b)
+    drop = dict(seed=seed, dropout=dropout)
+    checked(_sig("lora_o", ts + (seed,), (scale, dropout)), _check_o, ts, scale, drop)
+    o_spec.frozen(torch.is_grad_enabled(), w=w, bias=bias)
+    if x.numel() == 0:
+        return o_spec.reference(*ts, scale=scale, **drop)
+    static = {"drop": _drops(("o",), (dropout,))[0]} if dropout else {}
+    k = x.shape[-1]
+    seed_in = _seed_words(seed, (dropout,), w)
+    if bias is None:
+        y = core.apply(LORA_O_NOBIAS, x.reshape(-1, k), w, a, b, seed_in, scale=float(scale), has_bias=False, **static)
+    else:
+        y = core.apply(LORA_O, x.reshape(-1, k), w, bias, a, b, seed_in, scale=float(scale), has_bias=True, **static)
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,6 +1,6 @@
-"""Fused LoRA projections as JAX + Pallas: ``lora_qkv`` and ``lora_mlp`` (specs, signatures and
-backward derivations: forge/spec/lora_qkv.py, forge/spec/lora_mlp.py; the kernels:
-forge_pallas/lora_kernels.py). Pure JAX, no torch.
+"""Fused LoRA projections as JAX + Pallas: ``lora_qkv``, ``lora_o`` and ``lora_mlp`` (specs,
+signatures and backward derivations: forge/spec/lora_qkv.py, lora_o.py, lora_mlp.py; the
+kernels: forge_pallas/lora_kernels.py). Pure JAX, no torch.
 
 The large matrix products are XLA ``dot`` s (cuBLAS-class GEMMs on the GPU; natively launched,
 bridge/native.py runs them as torch's products). Pallas kernels fuse what sits around them: the
@@ -200,3 +200,34 @@ def lora_mlp_bwd(inputs, res, grads, *, scales, gelu, needs, adapters=(True,) * 
             dx = K.lora_dx(dx, dxa, a_cat, seed, slots=slots)
     out[0] = dx
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------- o
+def _split_o(inputs, has_bias):
+    x, w, *rest = inputs
+    bias, a, b, seed = rest if has_bias else (None, *rest)
+    return x, w, bias, a, b, seed
+
+
+def lora_o_fwd(*inputs, scale, has_bias, drop=None):
+    """x (M, K), w, [bias,] a, b, the seed -> ((y,), (xa,)): one LoRA linear, xa (M, r)."""
+    x, w, bias, a, b, seed = _split_o(inputs, has_bias)
+    slots = _slots([a.shape[0]], (drop,))
+    xa, _ = _down(x, [a], slots, seed)
+    return (K.lora_add(_base(x, w), bias, xa, b, col=0, scale=scale),), (xa,)
+
+
+def lora_o_bwd(inputs, res, grads, *, scale, has_bias, needs, drop=None):
+    """-> (dx, None (w), [None (bias),] d a, d b, None (seed))."""
+    x, w, bias, a, b, seed = _split_o(inputs, has_bias)
+    (xa,), (g,) = res, grads
+    dt = x.dtype
+    slots = _slots([a.shape[0]], (drop,))
+    i_a = 3 if has_bias else 2
+    dxa = _dxa(g, b, scale, dt)  # (M, r)
+    db = _grad_b(g, xa, scale, b.dtype) if needs[i_a + 1] else None
+    (da,) = _grads_a(x, dxa, [a], slots, seed, a.dtype) if needs[i_a] else (None,)
+    dx = None
+    if needs[0]:
+        dx = K.lora_dx(K.dot(g, w).astype(dt), dxa, a.astype(dt), seed, slots=slots)
+    return (dx, None, None, da, db, None) if has_bias else (dx, None, da, db, None)

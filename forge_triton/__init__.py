@@ -23,6 +23,7 @@ _WHERE = {
     "rope": ("rope", "rope"),
     "lora_qkv": ("lora", "lora_qkv"),
     "lora_mlp": ("lora", "lora_mlp"),
+    "lora_o": ("lora", "lora_o"),
     "decode_attention": ("decode_attention", "decode_attention"),  # (the decoding path's; no op)
     # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
     "mlp_act": ("glu", "mlp_act"),

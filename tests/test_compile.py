@@ -418,6 +418,12 @@ def _kernel_calls(backend):
         return f(x, wg, ab[0], ab[1], wu, ab[2], ab[3], wd, ab[4], ab[5], scale_gate=2.0, scale_up=0.5,
                  scale_down=1.0)
 
+    def lora_o(f):
+        x = torch.randn(3, 16, requires_grad=True)
+        a, b = torch.randn(r, 16, requires_grad=True), torch.randn(8, r, requires_grad=True)
+        return (f(x, torch.randn(8, 16), torch.randn(8), a, b, scale=2.0),
+                f(x, torch.randn(8, 16), None, a, b, scale=0.5))
+
     def mlp_pieces(_f):
         # the gated MLP's activation pieces, as a node traced by dynamo would call them
         outs = ()
@@ -435,6 +441,7 @@ def _kernel_calls(backend):
         return (f(q, k, v), f(q, k, v, keep), f(q, k, v, torch.zeros(2, 5).masked_fill(~keep, float("-inf"))))
 
     kernels["lora_qkv"], kernels["lora_mlp"], kernels["mlp_act"] = lora_qkv, lora_mlp, mlp_pieces
+    kernels["lora_o"] = lora_o
     kernels["decode_attention"] = decode_attention
     return kernels
 
@@ -584,7 +591,8 @@ def test_through_ops_env_routes_every_kernel():
     assert res.returncode == 0, res.stderr[-3000:]
     seen = json.loads(res.stdout.split("OPS", 1)[1].strip().splitlines()[0])
     for backend in backends:
-        for key in ("rmsnorm", "swiglu", "geglu", "rope", "gated_mlp", "fused_linear_ce", "lora_qkv", "lora_mlp"):
+        for key in ("rmsnorm", "swiglu", "geglu", "rope", "gated_mlp", "fused_linear_ce", "lora_qkv", "lora_o",
+                    "lora_mlp"):
             names = seen[f"{backend}/{key}"]
             fwd = [n for n in names if n.endswith("_fwd")]
             # (the loss's backward is plain torch ops, no op: see the test above)

@@ -24,7 +24,7 @@ from forge.spec import tolerance  # noqa: E402
 
 peft = pytest.importorskip("peft")
 
-LORA = ["lora_qkv", "lora_mlp"]
+LORA = ["lora_qkv", "lora_o", "lora_mlp"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # qwen2 (q/k/v biases), qwen3 (q/k norms), gemma, gemma2 (softcapping) and llama (the plain
 # one); mistral is llama's layout. Pallas compiles each model's shapes for seconds in its
@@ -98,9 +98,9 @@ def test_lora_model_matches_eager(model_type, backend, device):
     pm = lora_model(model_type, device)
     n = pm.config.num_hidden_layers
     ids, eager = run_case(pm, backend, device)
-    assert pm._forge_patched_counts == {"lora_qkv": n, "lora_mlp": n}, pm._forge_skipped
+    assert pm._forge_patched_counts == {"lora_qkv": n, "lora_o": n, "lora_mlp": n}, pm._forge_skipped
     stats = pm._forge_guard_stats
-    assert stats.fused("lora_qkv") == n and stats.fused("lora_mlp") == n and stats.fallback("lora_qkv") == 0
+    assert all(stats.fused(k) == n and stats.fallback(k) == 0 for k in LORA), stats
     forge.unpatch(pm)
     assert not any("forward" in m.__dict__ for m in pm.modules())
     assert torch.equal(step(pm, ids)[0], eager[0]), "unpatch did not restore the exact loss"
@@ -110,8 +110,8 @@ def test_lora_model_matches_eager(model_type, backend, device):
 def _inplace_dropout_in_layer_1(pm):
     # one layer's adapter gets an in-place dropout after the fact: the other layer is still fused
     layer = pm.base_model.model.model.layers[1]
-    layer.self_attn.v_proj.lora_dropout["default"] = torch.nn.Dropout(0.1, inplace=True)
-    layer.mlp.up_proj.lora_dropout["default"] = torch.nn.Dropout(0.1, inplace=True)
+    for proj in (layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.up_proj):
+        proj.lora_dropout["default"] = torch.nn.Dropout(0.1, inplace=True)
 
 
 def _two_active_adapters(pm):
@@ -124,7 +124,7 @@ MISFITS = [
     pytest.param(dict(use_dora=True), None, "DoRA", {}, id="dora"),
     pytest.param(dict(lora_bias=True), None, "LoRA bias", {}, id="lora_bias"),
     pytest.param({}, _two_active_adapters, "2 active adapters", {}, id="two_active"),
-    pytest.param({}, _inplace_dropout_in_layer_1, "1 of 2", {"lora_qkv": 1, "lora_mlp": 1}, id="one_layer"),
+    pytest.param({}, _inplace_dropout_in_layer_1, "1 of 2", dict.fromkeys(LORA, 1), id="one_layer"),
 ]
 
 
@@ -141,13 +141,50 @@ def test_misfit_adapters_left_to_peft(lora_kw, edit, reason, counts):
     fused = 0 if not counts else 1
     assert sum("forward" in l.mlp.__dict__ for l in layers) == fused  # the others run peft's path
     assert sum("forward" in l.self_attn.q_proj.__dict__ for l in layers) == fused
+    assert sum("forward" in l.self_attn.o_proj.__dict__ for l in layers) == fused
 
 
-def test_partial_targets_skipped_with_reason():
-    pm = lora_model("qwen3", target_modules=["q_proj", "v_proj", "gate_proj", "up_proj"])
+# ------------------------------------------------------------------ partial target sets
+# peft's default LoraConfig (target_modules None: q_proj and v_proj for these models), attention
+# only, MLP only, and odd subsets: a projection without an adapter runs its base product inside
+# the fused call; loss and every adapter gradient as unpatched peft's under the oracle's rule
+PARTIAL = [pytest.param("qwen2", None, id="qwen2-peft_default_qv"),
+           pytest.param("llama", ["q_proj", "k_proj", "v_proj", "o_proj"], id="llama-attention"),
+           pytest.param("gemma", ["gate_proj", "up_proj", "down_proj"], id="gemma-mlp"),
+           pytest.param("qwen3", ["k_proj", "o_proj", "up_proj"], id="qwen3-k_o_up", marks=pytest.mark.gpu),
+           pytest.param("qwen2", ["v_proj", "gate_proj", "down_proj"], id="qwen2-v_gate_down", marks=pytest.mark.gpu)]
+
+
+def _want_counts(targets, n):
+    attn, mlp = {"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj", "down_proj"}
+    return {k: n for k, hit in (("lora_qkv", attn & targets), ("lora_o", "o_proj" in targets), ("lora_mlp", mlp & targets))
+            if hit}
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("model_type,targets", PARTIAL)
+def test_partial_targets_fused(model_type, targets, backend, device):
+    need(backend)
+    pm = lora_model(model_type, device, target_modules=targets)
+    adapted = {n.rsplit(".", 1)[-1] for n, m in pm.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)}
+    assert adapted == (set(targets) if targets else {"q_proj", "v_proj"}), adapted
+    n = pm.config.num_hidden_layers
+    run_case(pm, backend, device)
+    want = _want_counts(adapted, n)
+    assert pm._forge_patched_counts == want, pm._forge_skipped
+    for key in LORA:  # nothing declined; a kernel with nothing to do says so
+        assert key not in pm._forge_skipped if key in want else "has LoRA on" in pm._forge_skipped[key]
+    assert all(pm._forge_guard_stats.fallback(k) == 0 for k in LORA)
+
+
+def test_partial_target_with_a_trainable_plain_projection_is_left_to_peft():
+    # q and v adapted, k a plain nn.Linear whose weight trains: the fused call would give it no
+    # gradient, so that attention module is left to peft (with the reason), the other is fused
+    pm = lora_model("qwen2", target_modules=["q_proj", "v_proj"])
+    pm.base_model.model.model.layers[0].self_attn.k_proj.weight.requires_grad_(True)
     forge.patch(pm, backend="triton", kernels=LORA)
-    assert pm._forge_patched_counts == {}
-    assert "k_proj" in pm._forge_skipped["lora_qkv"] and "down_proj" in pm._forge_skipped["lora_mlp"]
+    assert pm._forge_patched_counts == {"lora_qkv": 1}
+    assert "k_proj: weight is trainable" in pm._forge_skipped["lora_qkv"]
 
 
 def test_infer_mode_skips():
@@ -203,7 +240,6 @@ def _seeded_step(model, ids, seed=5):
 # models x both backends
 DROPOUT_CASES = [pytest.param("qwen2", "triton", id="qwen2-triton")] + [
     pytest.param(mt, b, id=f"{mt}-{b}-gpu", marks=pytest.mark.gpu) for mt in ("qwen2", "llama") for b in ops.BACKENDS]
-DROPOUT_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.mark.parametrize("model_type,backend", DROPOUT_CASES)
@@ -212,19 +248,19 @@ def test_lora_dropout_matches_the_reference(model_type, backend, device, monkeyp
     # the masks drawn in the kernels. The unpatched models apply the same masks (_HashDropout):
     # loss and every adapter gradient meet the oracle against the float64 one
     need(backend)
-    pm = lora_model(model_type, device, lora_dropout=0.05, target_modules=DROPOUT_TARGETS).train()
+    pm = lora_model(model_type, device, lora_dropout=0.05).train()
     ids = batch(pm, device)
     ref, eager = _hash_dropout(copy.deepcopy(pm).double()), _hash_dropout(copy.deepcopy(pm))
     r, e = _seeded_step(ref, ids), _seeded_step(eager, ids)
     forge.patch(pm, backend=backend, kernels=LORA)
     n = pm.config.num_hidden_layers
-    assert pm._forge_patched_counts == {"lora_qkv": n, "lora_mlp": n}, pm._forge_skipped
+    assert pm._forge_patched_counts == dict.fromkeys(LORA, n), pm._forge_skipped
     seeds = []
     draw = forge_lora_dropout.seed
     monkeypatch.setattr(forge_lora_dropout, "seed", lambda dev: seeds.append(draw(dev)) or seeds[-1])
     patched = _seeded_step(pm, ids)
-    assert pm._forge_guard_stats.fused("lora_qkv") == n and pm._forge_guard_stats.fused("lora_mlp") == n
-    assert len(seeds) == 2 * n and len({int(t) for t in seeds}) == 2 * n  # a fresh seed per call and layer
+    assert all(pm._forge_guard_stats.fused(k) == n for k in LORA)
+    assert len(seeds) == 3 * n and len({int(t) for t in seeds}) == 3 * n  # a fresh seed per call and layer
     assert_like_eager(patched, e, r, pm, ids)
     assert torch.equal(_seeded_step(pm, ids)[0], patched[0])  # torch.manual_seed reproduces the step
     assert not torch.equal(_seeded_step(pm, ids, seed=6)[0], patched[0])  # and the masks matter
@@ -234,7 +270,7 @@ def test_lora_dropout_matches_the_reference(model_type, backend, device, monkeyp
 def test_lora_dropout_under_gradient_checkpointing():
     # the recompute draws its seeds again from the RNG state torch's checkpoint restores: the same
     # masks as the forward, so the step equals the step without checkpointing
-    pm = lora_model("qwen3", lora_dropout=0.1, target_modules=DROPOUT_TARGETS).train()
+    pm = lora_model("qwen3", lora_dropout=0.1).train()
     plain = copy.deepcopy(pm)
     pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for m in (pm, plain):
@@ -314,7 +350,7 @@ def test_repatch_picks_up_new_lora_layers():
     pm = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=TARGETS, init_lora_weights=False))
     forge.unpatch(pm)
     forge.patch(pm, backend="triton", kernels=LORA)
-    assert pm._forge_patched_counts == {"lora_qkv": 2, "lora_mlp": 2}
+    assert pm._forge_patched_counts == dict.fromkeys(LORA, 2)
 
 
 def test_qkv_slot_only_serves_the_same_input():

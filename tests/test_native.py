@@ -65,11 +65,16 @@ def _cases(dtype, device, m):
         "lora_mlp_dropout": ((x, *mlp), (0, 2, 3, 5, 6, 8, 9), {
             "scale_gate": 2.0, "scale_up": 2.0, "scale_down": 0.5, "seed": seed, "dropout_gate": 0.1,
             "dropout_up": 0.1, "dropout_down": 0.3}),
+        # o_proj's LoRA linear, and q/k/v with k's adapter absent (peft's default targets)
+        "lora_o_dropout": ((x, lin(h, h), _w(h, dtype=dtype, device=device), lin(r, h), lin(h, r)), (0, 3, 4),
+                           {"scale": 2.0, "seed": seed, "dropout": 0.1}),
+        "lora_qkv_partial": ((x, *qkv[:6], None, None, *qkv[8:]), (0, 3, 4, 11, 12), {
+            "scale_q": 2.0, "scale_k": 2.0, "scale_v": 0.5, "seed": seed, "dropout_q": 0.1, "dropout_v": 0.3}),
     }
 
 
 def _run(key, args, diff, kwargs, seed):
-    fn = ops.get("gated_mlp" if key == "gated_mlp" else key.removesuffix("_gemma").removesuffix("_dropout"), "pallas")
+    fn = ops.get(key.removesuffix("_gemma").removesuffix("_dropout").removesuffix("_partial"), "pallas")
     leaves = [None if a is None else a.detach().clone().requires_grad_(i in diff) for i, a in enumerate(args)]
     outs = fn(*leaves, **kwargs)
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -230,6 +235,9 @@ def _kernel_passes(sms: int = SMS[0]):
         # rows in parts, the input's gradient, the MLP's backward step)
         "lora_qkv_dropout_fwd": (functools.partial(lora.lora_qkv_fwd, scales=(2.0, 2.0, 0.5), has_bias=True,
                                                    drops=drops3), lambda m: (a(m, h), *qkv_w, seed), rows),
+        "lora_o_dropout_bwd": (functools.partial(lora.lora_o_bwd, scale=2.0, has_bias=False,
+                                                 needs=(True, False, True, True, False), drop=drops3[0]),
+                               lambda m: ((a(m, h), a(h, h), a(r, h), a(h, r), seed), (a(m, r),), (a(m, h),)), rows),
         "lora_mlp_dropout_bwd": (functools.partial(lora.lora_mlp_bwd, scales=(2.0, 2.0, 0.5), gelu=False,
                                                    needs=mlp_needs, drops=drops3),
                                  lambda m: ((a(m, h), *mlp_w, seed), (a(m, i), a(m, i), a(m, 2 * r), a(m, r)),

@@ -55,7 +55,7 @@ from .patcher import DEFERRED_UNDER_COMPILE, LAYER_KEYS, TORCH, TRAIN_ONLY, Patc
 PATCH_KEYS = KERNELS + (_qkv.KEY,)
 
 MODES = ("train", "infer")
-LORA_KEYS = ("lora_qkv", "lora_mlp")
+LORA_KEYS = ("lora_qkv", "lora_o", "lora_mlp")
 _PUBLIC = ("_forge_patched_counts", "_forge_skipped", "_forge_guard_stats", "_forge_backends", "_forge_graphs")
 
 

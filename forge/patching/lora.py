@@ -1,12 +1,14 @@
-"""peft LoRA -> forge's fused ``lora_qkv`` and ``lora_mlp`` (called by ``core.patch`` as
-``apply(model, patcher)`` before the generic walker, so the modules taken over here are left alone
-by the rmsnorm / swiglu / geglu passes).
+"""peft LoRA -> forge's fused ``lora_qkv``, ``lora_o`` and ``lora_mlp`` (called by ``core.patch``
+as ``apply(model, patcher)`` before the generic walker, so the modules taken over here are left
+alone by the rmsnorm / swiglu / geglu passes).
 
 What is fused: a peft ``lora.Linear`` over a plain ``nn.Linear`` whose one active adapter is
 vanilla LoRA: any ``lora_dropout`` (``nn.Dropout``, not in place, or Identity), no DoRA or other
 variant, no LoRA bias, not merged, not disabled, no ``fan_in_fan_out``, base weight (and bias)
-frozen. Anything else is left to peft and named in ``model._forge_skipped[key]`` (modules that
-fit are still fused; counts say how many).
+frozen (forge.patching.lora_fit). In a module with LoRA on some projections only (peft's default
+target modules: q_proj and v_proj), the others must be plain frozen ``nn.Linear``: the fused call
+runs their base product. Anything else is left to peft and named in ``model._forge_skipped[key]``
+(modules that fit are still fused; counts say how many).
 
 Dropout: when an adapter's ``nn.Dropout`` is in training mode with p > 0 (its own ``training``
 flag, as peft reads it), the replaced forward draws one seed for the call from torch's generator
@@ -22,8 +24,10 @@ without dropout.
   hidden_states. q_proj's forward computes q, k and v in one fused call and leaves k and v in a
   one-shot slot keyed by the input tensor's identity and version (forge.patching.qkv's slots,
   which its q/k/v fusion uses too); k_proj's and v_proj's forwards take them from the slot, or
-  run peft's own forward when the slot does not match (another input, another order, a changed
-  input). No per-model code. Count: one per attention module.
+  run their own forward when the slot does not match (another input, another order, a changed
+  input). No per-model code. Count: one per attention module with LoRA on q, k or v.
+- ``lora_o``: o_proj's own forward becomes one ``lora_o`` call (base product, bias and adapter).
+  Count: one per o_proj.
 
 Everything is looked up at call time: weights (FSDP2 swaps them), the active adapter, its
 scaling, dropout, merge and disable state. A call whose state does not fit (adapters disabled or
@@ -34,133 +38,36 @@ fused call runs in the autocast dtype, as every matmul of eager peft then does.
 Adapters added after ``forge.patch``: an adapter added to (or activated on) layers that were LoRA
 layers at patch time is picked up at call time, fused when it fits. LoRA layers created after it
 (``get_peft_model`` or ``inject_adapter`` on a patched model) are not: ``forge.unpatch`` and
-``forge.patch`` again. The replaced forwards are methods bound to the MLP / attention module
-(``copy.deepcopy`` of the model rebinds them to the copy) and capture no tensor. A q/k/v slot
-that is never taken keeps that layer's k and v alive until the attention's next call.
+``forge.patch`` again. The replaced forwards are methods bound to the module they replace or its
+attention / MLP module (``copy.deepcopy`` of the model rebinds them to the copy) and capture no
+tensor. A q/k/v slot that is never taken keeps that layer's k and v alive until the attention's
+next call.
 """
 from __future__ import annotations
 
 import types
 
 import torch
-from torch import nn
 
 from ..spec import lora_dropout as _drop
 from ..spec import lora_mlp as _mlp_spec
+from ..spec import lora_o as _o_spec
 from ..spec import lora_qkv as _qkv_spec
 from . import arch as _arch
 from .forwards import _compiling
+from .lora_fit import fused_params, misfit, peft_linear, proj_misfit, proj_params
 from .qkv import QKV, slot_forwards
 
-_QKV_NAMES = _qkv_spec.TENSORS[:13]  # x, then w, bias, a, b per projection (the masks are keywords)
+_peft_linear = peft_linear  # (the name the tests and older callers use)
+__all__ = ["apply", "fused_params", "misfit"]
+
+_QKV_NAMES = _qkv_spec.TENSORS[:13]  # x, then w, bias, a, b per projection (the seed is a keyword)
 _MLP_NAMES = _mlp_spec.TENSORS[:10]  # x, then w, a, b per projection
+_O_NAMES = _o_spec.TENSORS[:5]  # x, w, bias, a, b
+KEYS = ("lora_qkv", "lora_o", "lora_mlp")
+O_PROJ = "o_proj"
 _ACT = {name: act for act, names in (("silu", _arch.GLU_ACTS["swiglu"]), ("gelu_tanh", _arch.GLU_ACTS["geglu"]))
         for name in names}
-
-
-def _peft_linear():
-    try:
-        from peft.tuners.lora.layer import Linear
-    except ImportError:
-        return None
-    return Linear
-
-
-def misfit(layer, lora_linear, *, bias_ok: bool, call: bool = True) -> str | None:
-    """Why ``layer`` cannot run fused (None when it can), in words for ``_forge_skipped``. At
-    patch time (``call=False``) the weight's type is not checked (FSDP2 has it sharded until the
-    forward). ``fused_params`` is the same test for every call."""
-    if type(layer) is not lora_linear:
-        return f"{type(layer).__name__} is not a plain peft lora.Linear (quantized or other layer type)"
-    base = layer.base_layer
-    if type(base) is not nn.Linear:
-        return f"base layer is {type(base).__name__}, not nn.Linear"
-    if layer.disable_adapters:
-        return "adapters are disabled"
-    if layer.merged:
-        return "the adapter is merged into the base weight"
-    active = layer.active_adapters
-    if len(active) != 1:
-        return f"{len(active)} active adapters (the fused kernel takes exactly one)"
-    name = active[0]
-    if name not in layer.lora_A:
-        return f"active adapter {name!r} has no LoRA weights on this layer"
-    if layer.use_dora.get(name, False) or name in layer.lora_variant:
-        return f"adapter {name!r} is DoRA or another LoRA variant"
-    drop = layer.lora_dropout[name]
-    if type(drop) is not nn.Identity and type(drop) is not nn.Dropout:
-        return f"adapter {name!r} has a lora_dropout of type {type(drop).__name__} (fused: nn.Dropout or Identity)"
-    if getattr(drop, "inplace", False):
-        return f"adapter {name!r} has an in-place lora_dropout (it would edit the layer's input)"
-    if layer.lora_bias.get(name, False) or layer.lora_B[name].bias is not None or layer.lora_A[name].bias is not None:
-        return f"adapter {name!r} has a LoRA bias"
-    if getattr(layer, "fan_in_fan_out", False):
-        return "fan_in_fan_out layer"
-    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
-        return "base weight is trainable (the fused kernels keep it frozen)"
-    if base.bias is not None and not bias_ok:
-        return "base layer has a bias"
-    a = layer.lora_A[name].weight
-    if call and type(base.weight) is not nn.Parameter and type(base.weight) is not torch.Tensor:
-        return f"base weight is a {type(base.weight).__name__} (sharded or quantized)"
-    if a.dtype != base.weight.dtype and not getattr(layer, "cast_input_dtype_enabled", True):
-        return "input dtype casting is disabled with adapters in another dtype"
-    return None
-
-
-def _p_now(drop) -> float:
-    """The dropout probability a call applies now: peft reads the Dropout module's own mode."""
-    return float(drop.p) if type(drop) is nn.Dropout and drop.training and drop.p > 0 else 0.0
-
-
-def _params(layer):
-    """(w, bias, a, b, scale, dropout p now) of the active adapter, read now."""
-    name = layer.active_adapters[0]
-    base = layer.base_layer
-    return (base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]),
-            _p_now(layer.lora_dropout[name]))
-
-
-def fused_params(layer, lora_linear, bias_ok: bool):
-    """(w, bias, a, b, scale, p) if ``layer`` can run fused now, else None: ``misfit`` with
-    ``call=True`` and ``_params`` in one pass over the instance ``__dict__`` (nn.Module attribute
-    lookups made the readable version cost ~100 us a layer on a slow host, every forward).
-    FSDP2 swaps parameters through ``_parameters`` too, so this sees what it installed."""
-    if type(layer) is not lora_linear:
-        return None
-    d = layer.__dict__
-    try:
-        if d["_disable_adapters"] or d["merged_adapters"] or d.get("fan_in_fan_out"):
-            return None
-        name = d["_active_adapter"]
-        if not isinstance(name, str):
-            if len(name) != 1:
-                return None
-            name = name[0]
-        mods = d["_modules"]
-        la = mods["lora_A"]._modules.get(name)
-        if la is None or name in d.get("lora_variant", ()) or d["use_dora"].get(name):
-            return None
-        if d.get("lora_bias", {}).get(name):
-            return None
-        drop = mods["lora_dropout"]._modules[name]
-        dt = type(drop)
-        if dt is not nn.Identity and (dt is not nn.Dropout or drop.inplace):
-            return None
-        lb, base = mods["lora_B"]._modules[name], mods["base_layer"]
-        if type(base) is not nn.Linear or la._parameters.get("bias") is not None:
-            return None
-        if lb._parameters.get("bias") is not None:
-            return None
-        w, bias, a = base._parameters["weight"], base._parameters["bias"], la._parameters["weight"]
-        if w.requires_grad or (bias is not None and (bias.requires_grad or not bias_ok)):
-            return None
-        if (type(w) is not nn.Parameter and type(w) is not torch.Tensor) or (
-                a.dtype != w.dtype and not d.get("cast_input_dtype_enabled", True)):
-            return None
-        return w, bias, a, lb._parameters["weight"], float(d["scaling"][name]), _p_now(drop)
-    except (KeyError, AttributeError, TypeError):  # another peft layout: the readable path
-        return None if misfit(layer, lora_linear, bias_ok=bias_ok) else _params(layer)
 
 
 def _compute_dtype(x, args, kwargs, w):
@@ -175,45 +82,59 @@ def _compute_dtype(x, args, kwargs, w):
     return x.dtype if x.dtype == w.dtype else None
 
 
+def _one_adapter_dtype(ps) -> bool:
+    dts = {p[2].dtype for p in ps if p[2] is not None}
+    return len(dts) == 1
+
+
 def _dropout(x, names, ps) -> dict:
     """``seed``/``dropout_<name>`` when a projection of the call drops now: one seed per call,
     drawn from torch's generator for x's device (on the device: a CUDA graph replay draws anew)."""
-    out = {f"dropout_{name}": p[5] for name, p in zip(names, ps) if p is not None and p[5]}
+    out = {f"dropout_{name}": p[5] for name, p in zip(names, ps) if p[5]}
     if out:
         out["seed"] = _drop.seed(x.device)
     return out
 
 
+_ADAPTER = frozenset(n for names in (_QKV_NAMES, _MLP_NAMES, _O_NAMES) for n in names
+                     if n in ("a", "b") or n.startswith(("a_", "b_")))
+
+
 def _cast(dtype, names, ts):
     """Autocast's casts of x and the base weights, done here once; the adapters stay as they are
     (the kernels read them in x's dtype and give them gradients in their own)."""
-    return [t if t is None or t.dtype == dtype or n.startswith(("a_", "b_")) else t.to(dtype)
-            for n, t in zip(names, ts)]
+    return [t if t is None or t.dtype == dtype or n in _ADAPTER else t.to(dtype) for n, t in zip(names, ts)]
+
+
+def _call(x, args, kwargs, ps, names, ts):
+    """The tensors of a fused call (``ts`` with autocast's casts), or None when this call does
+    not fit: extra arguments, x not in the base's dtype outside autocast, adapters in two dtypes."""
+    cd = _compute_dtype(x, args, kwargs, ps[0][0])
+    if cd is None or not _one_adapter_dtype(ps):
+        return None
+    if torch.is_autocast_enabled(x.device.type):
+        ts = _cast(cd, names, ts)
+    return ts
 
 
 # ------------------------------------------------------------------------------------ mlp
 def _mlp_forward(kernel, act, lora_linear, ks):
     def forward(self, x, *args, **kwargs):
         mods = self._modules
-        ps = [fused_params(mods[n], lora_linear, False) for n in _arch.MLP_PROJ]
-        if None in ps:
+        ps = [proj_params(mods[n], lora_linear, False) for n in _arch.MLP_PROJ]
+        ts = None
+        if None not in ps:
+            ts = _call(x, args, kwargs, ps, _MLP_NAMES, [x] + [t for w, _, a, b, _, _ in ps for t in (w, a, b)])
+        if ts is None:
             if not _compiling():
                 ks.fallback += 1
             return type(self).forward(self, x, *args, **kwargs)
-        (wg, _, ag, bg, sg, _), (wu, _, au, bu, su, _), (wd, _, ad, bd, sd, _) = ps
-        cd = _compute_dtype(x, args, kwargs, wg)
-        if cd is None or not (ag.dtype == au.dtype == ad.dtype):
-            if not _compiling():
-                ks.fallback += 1
-            return type(self).forward(self, x, *args, **kwargs)
-        ts = (x, wg, ag, bg, wu, au, bu, wd, ad, bd)
-        if torch.is_autocast_enabled(x.device.type):
-            ts = _cast(cd, _MLP_NAMES, ts)
-        drop = _dropout(x, ("gate", "up", "down"), ps)
+        drop = _dropout(x, _mlp_spec.PROJ, ps)
         if not _compiling():
             ks.fused += 1
         # every tensor bound to its spec name (forge.spec.lora_mlp.TENSORS), never by position
-        return kernel(**dict(zip(_MLP_NAMES, ts)), scale_gate=sg, scale_up=su, scale_down=sd, act=act, **drop)
+        return kernel(**dict(zip(_MLP_NAMES, ts)), scale_gate=ps[0][4], scale_up=ps[1][4], scale_down=ps[2][4],
+                      act=act, **drop)
 
     return forward
 
@@ -223,20 +144,35 @@ def _qkv_forwards(kernel, lora_linear, ks):
     """(q_proj forward, k_proj forward, v_proj forward), each bound to the attention module:
     q, k and v from one fused call, handed on through forge.patching.qkv's slots."""
     def compute(attn, x, args, kwargs):
-        ps = [fused_params(attn._modules[n], lora_linear, True) for n in QKV]
+        ps = [proj_params(attn._modules[n], lora_linear, True) for n in QKV]
         if None in ps:
             return None
-        cd = _compute_dtype(x, args, kwargs, ps[0][0])
-        if cd is None or not ps[0][2].dtype == ps[1][2].dtype == ps[2][2].dtype:
+        ts = _call(x, args, kwargs, ps, _QKV_NAMES, [x] + [t for w, bias, a, b, _, _ in ps for t in (w, bias, a, b)])
+        if ts is None:
             return None
-        ts = [x] + [t for w, bias, a, b, _, _ in ps for t in (w, bias, a, b)]
-        if torch.is_autocast_enabled(x.device.type):
-            ts = _cast(cd, _QKV_NAMES, ts)
-        drop = _dropout(x, "qkv", ps)
+        drop = _dropout(x, _qkv_spec.PROJ, ps)
         # every tensor bound to its spec name (forge.spec.lora_qkv.TENSORS)
         return kernel(**dict(zip(_QKV_NAMES, ts)), scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4], **drop)
 
     return slot_forwards(compute, ks)
+
+
+# ------------------------------------------------------------------------------------ o
+def _o_forward(kernel, lora_linear, ks):
+    """o_proj's forward, bound to the LoRA layer itself: one lora_o call."""
+    def forward(self, x, *args, **kwargs):
+        p = fused_params(self, lora_linear, True)
+        ts = None if p is None else _call(x, args, kwargs, [p], _O_NAMES, [x, *p[:4]])
+        if ts is None:
+            if not _compiling():
+                ks.fallback += 1
+            return type(self).forward(self, x, *args, **kwargs)
+        drop = {"dropout": p[5], "seed": _drop.seed(x.device)} if p[5] else {}
+        if not _compiling():
+            ks.fused += 1
+        return kernel(**dict(zip(_O_NAMES, ts)), scale=p[4], **drop)
+
+    return forward
 
 
 # ------------------------------------------------------------------------------------ apply
@@ -261,36 +197,39 @@ def _ready(p, key, found):
 
 def apply(model, p) -> None:
     """Replace the forwards of LoRA'd attention and MLP modules of ``model`` (see module doc)."""
-    lora_linear = _peft_linear()
+    lora_linear = peft_linear()
     if lora_linear is None:
-        for key in ("lora_qkv", "lora_mlp"):
+        for key in KEYS:
             if p.wants(key):
                 p.skip(key, "peft is not importable")
         return
-    found = {"lora_qkv": [], "lora_mlp": []}
-    partial = {"lora_qkv": [], "lora_mlp": []}
+    found = {key: [] for key in KEYS}
     for name, mod in model.named_modules():
         cname = type(mod).__name__
-        for key, suffix, names in (("lora_qkv", _arch.ATTN_SUFFIX, QKV),
-                                   ("lora_mlp", _arch.MLP_SUFFIX, _arch.MLP_PROJ)):
-            if not cname.endswith(suffix):
-                continue
-            has = [n for n in names if isinstance(getattr(mod, n, None), lora_linear)]
-            if len(has) == len(names):
-                found[key].append((name, mod))
-            elif has:  # e.g. peft's default target_modules: q_proj and v_proj only
-                missing = [n for n in names if n not in has]
-                partial[key].append(f"{name}: no LoRA on {', '.join(missing)}")
-    _apply_mlp(model, p, found["lora_mlp"], lora_linear, partial["lora_mlp"])
-    _apply_qkv(p, found["lora_qkv"], lora_linear, partial["lora_qkv"])
+        if cname.endswith(_arch.ATTN_SUFFIX):
+            if any(isinstance(getattr(mod, n, None), lora_linear) for n in QKV):
+                found["lora_qkv"].append((name, mod))
+            if isinstance(getattr(mod, O_PROJ, None), lora_linear):
+                found["lora_o"].append((f"{name}.{O_PROJ}", getattr(mod, O_PROJ)))
+        elif cname.endswith(_arch.MLP_SUFFIX) and any(isinstance(getattr(mod, n, None), lora_linear)
+                                                      for n in _arch.MLP_PROJ):
+            found["lora_mlp"].append((name, mod))
+    for key, what in (("lora_qkv", "attention module has LoRA on q_proj, k_proj or v_proj"),
+                      ("lora_o", "attention module has LoRA on o_proj"),
+                      ("lora_mlp", "MLP module has LoRA on gate_proj, up_proj or down_proj")):
+        if not found[key] and p.wants(key):  # (a kernel with nothing to do: no warning)
+            p.skip(key, f"no {what}", applies=False)
+    _apply_mlp(model, p, found["lora_mlp"], lora_linear)
+    _apply_qkv(p, found["lora_qkv"], lora_linear)
+    _apply_o(p, found["lora_o"], lora_linear)
 
 
 def _split(mods, names, lora_linear, bias_ok):
-    """(modules whose layers all fit, ["name.layer: reason", ...] for the others)."""
+    """(modules whose projections all fit, ["name.projection: reason", ...] for the others)."""
     fit, why = [], []
     for name, mod in mods:
-        bad = next(((n, w) for n in names
-                    if (w := misfit(getattr(mod, n), lora_linear, bias_ok=bias_ok, call=False))), None)
+        bad = next(((n, w) for n in names if (w := proj_misfit(getattr(mod, n, None), lora_linear, bias_ok=bias_ok))),
+                   None)
         if bad is None:
             fit.append(mod)
         else:
@@ -298,18 +237,15 @@ def _split(mods, names, lora_linear, bias_ok):
     return fit, why
 
 
-def _skip_some(p, key, why, total, what, partial=()):
+def _skip_some(p, key, why, total, what):
     if why:
         more = f" (+{len(why) - 3} more)" if len(why) > 3 else ""
-        # LoRA on only some projections (peft's default: q and v) is the user's choice, not a
-        # failure of forge's: the kernel does not apply there (the summary, not a warning)
-        p.skip(key, f"{len(why)} of {total} {what} left to peft: " + "; ".join(why[:3]) + more,
-               applies=len(why) > len(partial))
+        p.skip(key, f"{len(why)} of {total} {what} left to peft: " + "; ".join(why[:3]) + more)
 
 
-def _apply_mlp(model, p, mlps, lora_linear, partial):
+def _apply_mlp(model, p, mlps, lora_linear):
     key = "lora_mlp"
-    if not p.wants(key) or not (mlps or partial):
+    if not p.wants(key) or not mlps:
         return
     act_name = getattr(model.config, p.arch.act_attr, None)
     act = _ACT.get(act_name)
@@ -320,22 +256,21 @@ def _apply_mlp(model, p, mlps, lora_linear, partial):
     # the fused call computes down(act(gate(x)) * up(x)): trust that only in transformers' own code
     why = [f"{n}: {type(m).__name__}.forward is not transformers' own" for n, m in free if not _hf_code(m)]
     fit, bad = _split([(n, m) for n, m in free if _hf_code(m)], _arch.MLP_PROJ, lora_linear, bias_ok=False)
-    why = partial + why + bad
+    why += bad
     kernel = _ready(p, key, fit)
     if kernel is not None:
         fwd = _mlp_forward(kernel, act, lora_linear, p.stats.counter(key))
         for mod in fit:
             p.replace_forward(mod, key, types.MethodType(fwd, mod))
-    _skip_some(p, key, why, len(mlps) + len(partial), "LoRA MLPs", partial)
+    _skip_some(p, key, why, len(mlps), "LoRA MLPs")
 
 
-def _apply_qkv(p, attns, lora_linear, partial):
+def _apply_qkv(p, attns, lora_linear):
     key = "lora_qkv"
-    if not p.wants(key) or not (attns or partial):
+    if not p.wants(key) or not attns:
         return
-    free = [(n, m) for n, m in attns if all(_free(getattr(m, x)) for x in QKV)]
+    free = [(n, m) for n, m in attns if all(_free(getattr(m, x)) for x in QKV if hasattr(m, x))]
     fit, why = _split(free, QKV, lora_linear, bias_ok=True)
-    why = partial + why
     kernel = _ready(p, key, fit)
     if kernel is not None:
         q_fwd, k_fwd, v_fwd = _qkv_forwards(kernel, lora_linear, p.stats.counter(key))
@@ -344,4 +279,24 @@ def _apply_qkv(p, attns, lora_linear, partial):
             # (q_proj carries the one count per attention module: one fused call per forward)
             p.replace_forward(attn.k_proj, key, types.MethodType(k_fwd, attn), count=False)
             p.replace_forward(attn.v_proj, key, types.MethodType(v_fwd, attn), count=False)
-    _skip_some(p, key, why, len(attns) + len(partial), "LoRA attention modules", partial)
+    _skip_some(p, key, why, len(attns), "LoRA attention modules")
+
+
+def _apply_o(p, layers, lora_linear):
+    key = "lora_o"
+    if not p.wants(key) or not layers:
+        return
+    free = [(n, m) for n, m in layers if _free(m)]
+    fit, why = [], []
+    for n, m in free:
+        w = misfit(m, lora_linear, bias_ok=True, call=False)
+        if w is None:
+            fit.append(m)
+        else:
+            why.append(f"{n}: {w}")
+    kernel = _ready(p, key, fit)
+    if kernel is not None:
+        fwd = _o_forward(kernel, lora_linear, p.stats.counter(key))
+        for layer in fit:
+            p.replace_forward(layer, key, types.MethodType(fwd, layer))
+    _skip_some(p, key, why, len(layers), "LoRA o_proj layers")

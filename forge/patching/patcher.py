@@ -15,11 +15,11 @@ from ..spec import SHAPE_SENSITIVE
 from . import copying
 from .guard import GuardStats
 
-TRAIN_ONLY = ("fused_linear_ce", "lora_qkv", "lora_mlp")  # need a loss / adapter gradients
+TRAIN_ONLY = ("fused_linear_ce", "lora_qkv", "lora_o", "lora_mlp")  # need a loss / adapter gradients
 # kernels whose patched forward can hand a torch.compile trace the original code instead
 # (forge.patch(compile_kernels=)); the fused loss and the LoRA kernels always stay forge's
 DEFERRED_UNDER_COMPILE = ("rmsnorm", "swiglu", "geglu", "rope")
-LAYER_KEYS = ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_mlp")  # inside decoder layers
+LAYER_KEYS = ("rmsnorm", "swiglu", "geglu", "rope", "lora_qkv", "lora_o", "lora_mlp")  # inside decoder layers
 TORCH = "torch"  # the backend name of a key that runs torch's own operations (Patcher.runs_torch)
 
 

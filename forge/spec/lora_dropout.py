@@ -141,14 +141,19 @@ def apply(t: torch.Tensor, seed_t, salt: int, p: float) -> torch.Tensor:
     return torch.mul(t, keep(seed_t, salt, t.shape, p).to(t.device)).mul_(scale(p))
 
 
+def _arg(name: str) -> str:
+    return f"dropout_{name}" if name else "dropout"
+
+
 def check(name: str, p, has_adapter: bool = True) -> None:
-    """``dropout_<name>``: a number in [0, 1], and 0 for a projection without an adapter."""
+    """``dropout_<name>`` (``dropout`` for name ""): a number in [0, 1], and 0 for a projection
+    without an adapter."""
     if isinstance(p, bool) or not isinstance(p, float | int):
-        raise TypeError(f"dropout_{name} must be a number, got {type(p).__name__}")
+        raise TypeError(f"{_arg(name)} must be a number, got {type(p).__name__}")
     if not 0 <= p <= 1:
-        raise ValueError(f"dropout_{name} must be in [0, 1], got {p}")
+        raise ValueError(f"{_arg(name)} must be in [0, 1], got {p}")
     if p and not has_adapter:
-        raise ValueError(f"dropout_{name}={p} but {name} has no adapter (a_{name} and b_{name} are None)")
+        raise ValueError(f"{_arg(name)}={p} but {name} has no adapter (a_{name} and b_{name} are None)")
 
 
 def check_seed(seed_t, ps, device) -> None:
@@ -156,7 +161,7 @@ def check_seed(seed_t, ps, device) -> None:
     if seed_t is None:
         wants = [name for name, p in ps.items() if p]
         if wants:
-            raise ValueError(f"dropout_{wants[0]}={ps[wants[0]]} needs a seed (draw one with "
+            raise ValueError(f"{_arg(wants[0])}={ps[wants[0]]} needs a seed (draw one with "
                              "forge.spec.lora_dropout.seed(device))")
         return
     if not isinstance(seed_t, torch.Tensor):

@@ -10,6 +10,7 @@ Signature (every backend)::
     x: (..., H)   w_gate, w_up: (I, H)   w_down: (H, I)   frozen base weights, no bias
     a_gate, a_up: (r, H)   b_gate, b_up: (I, r)   a_down: (r, I)   b_down: (H, r)
     scale_*: float (alpha / r)   act: "silu" (swiglu) or "gelu_tanh" (geglu)
+    a_p and b_p both None: p has no adapter (its plain base product)
     x and the w's share one dtype, the a's and b's one (possibly another); ranks may differ
     dropout_*: peft's lora_dropout on each adapter's input (down's input is h); seed: the call's
     int64 seed, each projection its own stream of it (forge/spec/lora_dropout.py)
@@ -39,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from . import _check, lora_dropout
-from .lora_qkv import _proj_args, frozen, project
+from .lora_qkv import _proj_args, frozen, project, same_adapter_dtype
 
 ACTS = ("silu", "gelu_tanh")
 PROJ = ("gate", "up", "down")
@@ -58,16 +59,15 @@ def check(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
     _proj_args("gate", x, w_gate, None, a_gate, b_gate, scale_gate)
     _proj_args("up", x, w_up, None, a_up, b_up, scale_up)
     _check.same_shape("w_gate", w_gate, "w_up", w_up)
-    _check.same_dtype("a_gate", a_gate, "a_up", a_up)
     inter = w_gate.shape[0]
     # down takes h = act(g) * u, shaped (..., I), in x's dtype
     _proj_args("down", x, w_down, None, a_down, b_down, scale_down, width=inter, in_name="h = act(gate) * up")
     if w_down.shape[0] != x.shape[-1]:
         raise ValueError(f"w_down has {w_down.shape[0]} output features but x's last dimension is {x.shape[-1]}")
-    _check.same_dtype("a_gate", a_gate, "a_down", a_down)
+    same_adapter_dtype(a_gate=a_gate, a_up=a_up, a_down=a_down)
     ps = {"gate": dropout_gate, "up": dropout_up, "down": dropout_down}
-    for p, d in ps.items():
-        lora_dropout.check(p, d)
+    for (p, d), a in zip(ps.items(), (a_gate, a_up, a_down)):
+        lora_dropout.check(p, d, a is not None)
     lora_dropout.check_seed(seed, ps, x.device)
 
 
@@ -98,7 +98,8 @@ def elements(x, *_a, **_k) -> int:
 def reductions(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, **_k) -> dict:
     """Reduction length behind each output and gradient (scales the tolerance): y sums over I
     after sums over H; d x over I twice after the sum over H in dh; weights over the rows."""
-    h, inter, r = x.shape[-1], w_gate.shape[0], a_gate.shape[0]
+    h, inter = x.shape[-1], w_gate.shape[0]
+    r = max(0 if a is None else a.shape[0] for a in (a_gate, a_up, a_down))
     rows = x.numel() // max(h, 1)
     out = {"y": h + inter + 2 * r, "x": h + 2 * inter + 3 * r}
     out.update({f"{m}_{p}": rows for m in "ab" for p in PROJ})

@@ -8,6 +8,8 @@ Signature (every backend)::
 
     x: (..., H)   w_p: (N_p, H) frozen base weight   bias_p: (N_p,) frozen, or None
     a_p: (r_p, H) lora_A.weight   b_p: (N_p, r_p) lora_B.weight   scale_p: float (alpha / r)
+    a_p and b_p both None: p has no adapter (its plain base product; peft's default target
+    modules adapt q and v only)
     x, w_p, bias_p share one dtype; all a_p, b_p share one (possibly another, e.g. peft's fp32);
     ranks may differ per projection
     dropout_p: peft's lora_dropout on p's adapter input; seed: the call's int64 seed (one element,
@@ -22,7 +24,8 @@ fp32 adapters fp32 gradients)::
     base = F.linear(x, w_p, bias_p)                                     # (..., N_p), x.dtype
     xd_p = lora_dropout.apply(x, seed, SALT[p], dropout_p)             # x if dropout_p == 0
     lora = F.linear(F.linear(xd_p, a_p.to(x.dtype)), b_p.to(x.dtype)) * scale_p
-    p = base + lora                                                     # x.dtype
+    p = base + lora                                                     # x.dtype (base alone
+                                                                        # without an adapter)
 
 Gradients flow to x and to every a_p and b_p. The base weights and biases are frozen: kernels
 compute no gradient for them and raise ValueError if one requires grad while grad is enabled
@@ -52,34 +55,46 @@ TENSORS = ("x", *(f"{t}_{p}" for p in PROJ for t in ("w", "bias", "a", "b")), "s
 TRAINABLE = ("x", *(f"{t}_{p}" for p in PROJ for t in ("a", "b")))
 
 
-def _proj_args(name, x, w, bias, a, b, scale, *, width=None, in_name="x"):
+def _proj_args(name, x, w, bias, a, b, scale, *, width=None, in_name="x", optional=True):
     """Check one projection's weights against its input: x gives dtype and device, ``width``
-    (default x's last dimension) the input features, ``in_name`` the name in messages."""
-    _check.tensor(f"w_{name}", w, min_dim=2)
-    _check.tensor(f"a_{name}", a, min_dim=2)
-    _check.tensor(f"b_{name}", b, min_dim=2)
-    if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"w_{name}, a_{name} and b_{name} must be 2-D, got {tuple(w.shape)}, "
-                         f"{tuple(a.shape)}, {tuple(b.shape)}")
+    (default x's last dimension) the input features, ``in_name`` the name in messages. The
+    arguments are ``w_<name>`` and so on (``w`` ... for name ""). With ``optional`` a and b may
+    both be None (no adapter)."""
+    def n(t):
+        return f"{t}_{name}" if name else t
+
+    _check.tensor(n("w"), w, min_dim=2)
+    if w.dim() != 2:
+        raise ValueError(f"{n('w')} must be 2-D, got {tuple(w.shape)}")
     h = x.shape[-1] if width is None else width
     if w.shape[1] != h:
-        raise ValueError(f"w_{name} has {w.shape[1]} input features but {in_name} has {h}")
-    if a.shape[1] != h:
-        raise ValueError(f"a_{name} has {a.shape[1]} input features but {in_name} has {h}")
-    if b.shape[0] != w.shape[0]:
-        raise ValueError(f"b_{name} has {b.shape[0]} output features but w_{name} has {w.shape[0]}")
-    if b.shape[1] != a.shape[0]:
-        raise ValueError(f"b_{name} has rank {b.shape[1]} but a_{name} has rank {a.shape[0]}")
-    _check.same_dtype("x", x, f"w_{name}", w)
-    _check.same_dtype(f"a_{name}", a, f"b_{name}", b)
+        raise ValueError(f"{n('w')} has {w.shape[1]} input features but {in_name} has {h}")
     if bias is not None:
-        _check.tensor(f"bias_{name}", bias)
+        _check.tensor(n("bias"), bias)
         if bias.shape != (w.shape[0],):
-            raise ValueError(f"bias_{name} must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
-        _check.same_dtype("x", x, f"bias_{name}", bias)
+            raise ValueError(f"{n('bias')} must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
+        _check.same_dtype("x", x, n("bias"), bias)
+    _check.same_dtype("x", x, n("w"), w)
     if isinstance(scale, bool) or not isinstance(scale, float | int):
-        raise TypeError(f"scale_{name} must be a number, got {type(scale).__name__}")
-    _check.same_device(x=x, **{f"w_{name}": w, f"bias_{name}": bias, f"a_{name}": a, f"b_{name}": b})
+        raise TypeError(f"{n('scale')} must be a number, got {type(scale).__name__}")
+    if a is None and b is None and optional:
+        _check.same_device(x=x, **{n("w"): w, n("bias"): bias})
+        return
+    if (a is None) != (b is None) or a is None:
+        raise ValueError(f"{n('a')} and {n('b')} must both be given (an adapter)"
+                         + (" or both be None (none)" if optional else ""))
+    _check.tensor(n("a"), a, min_dim=2)
+    _check.tensor(n("b"), b, min_dim=2)
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"{n('a')} and {n('b')} must be 2-D, got {tuple(a.shape)}, {tuple(b.shape)}")
+    if a.shape[1] != h:
+        raise ValueError(f"{n('a')} has {a.shape[1]} input features but {in_name} has {h}")
+    if b.shape[0] != w.shape[0]:
+        raise ValueError(f"{n('b')} has {b.shape[0]} output features but {n('w')} has {w.shape[0]}")
+    if b.shape[1] != a.shape[0]:
+        raise ValueError(f"{n('b')} has rank {b.shape[1]} but {n('a')} has rank {a.shape[0]}")
+    _check.same_dtype(n("a"), a, n("b"), b)
+    _check.same_device(x=x, **{n("w"): w, n("bias"): bias, n("a"): a, n("b"): b})
 
 
 def check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v,
@@ -89,12 +104,18 @@ def check(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v
     _proj_args("k", x, w_k, bias_k, a_k, b_k, scale_k)
     _proj_args("v", x, w_v, bias_v, a_v, b_v, scale_v)
     ps = dict(zip(PROJ, (dropout_q, dropout_k, dropout_v)))
-    for p, d in ps.items():
-        lora_dropout.check(p, d)
+    for (p, d), a in zip(ps.items(), (a_q, a_k, a_v)):
+        lora_dropout.check(p, d, a is not None)
     lora_dropout.check_seed(seed, ps, x.device)
-    # one adapter dtype: kernels run the three down-projections as one GEMM
-    _check.same_dtype("a_q", a_q, "a_k", a_k)
-    _check.same_dtype("a_q", a_q, "a_v", a_v)
+    # one adapter dtype: kernels run the down-projections as one GEMM
+    same_adapter_dtype(a_q=a_q, a_k=a_k, a_v=a_v)
+
+
+def same_adapter_dtype(**named) -> None:
+    """Every adapter given (not None) in one dtype."""
+    given = [(n, a) for n, a in named.items() if a is not None]
+    for n, a in given[1:]:
+        _check.same_dtype(given[0][0], given[0][1], n, a)
 
 
 def frozen(grad_enabled: bool, **named) -> None:
@@ -112,6 +133,8 @@ def project(x, w, bias, a, b, scale, seed=None, salt=0, p=0.0):
     (seed, salt): the reference for a single projection (also used by lora_mlp, lora_o). The
     rounding is differentiable: fp32 adapters get fp32 gradients."""
     base = F.linear(x, w, bias)
+    if a is None:
+        return base
     lora = F.linear(F.linear(lora_dropout.apply(x, seed, salt, p), a.to(x.dtype)), b.to(x.dtype)) * scale
     return base + lora
 
@@ -137,7 +160,8 @@ def reductions(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v
     over H (base) and r (LoRA); d x over every N_p and r_p; d a_p and d b_p over the rows."""
     h = x.shape[-1]
     rows = x.numel() // max(h, 1)
-    out = {p: h + a.shape[0] for p, a in zip(PROJ, (a_q, a_k, a_v))}
-    out["x"] = sum(w.shape[0] + a.shape[0] for w, a in ((w_q, a_q), (w_k, a_k), (w_v, a_v)))
+    r = [0 if a is None else a.shape[0] for a in (a_q, a_k, a_v)]
+    out = {p: h + rp for p, rp in zip(PROJ, r)}
+    out["x"] = sum(w.shape[0] + rp for w, rp in zip((w_q, w_k, w_v), r))
     out.update({f"{m}_{p}": rows for m in "ab" for p in PROJ})
     return out
