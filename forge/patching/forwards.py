@@ -317,9 +317,9 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         extra = dict(a.get(varkw) or {}) if varkw else {}
         ignore_index = extra.get("ignore_index", -100)
         shift = extra.get("shift_labels")
+        check_labels(labels if shift is None else shift)  # before the pad below (uint8 fails in it)
         if shift is None:  # HF's ForCausalLMLoss: position t predicts label t + 1
             shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        check_labels(shift)
         # the decoder gets what HF's forward passes it: every named input but the two consumed
         # here, plus the extra kwargs (HF passes num_items_in_batch etc. to both)
         model_kwargs = {n: a[n] for n in named if n in a and n not in ("labels", "logits_to_keep")}
