@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import forge  # noqa: E402
+import forge.patching  # noqa: E402
 from forge import ops  # noqa: E402
 from forge.__main__ import build_model  # noqa: E402
 from forge.patching import arch as arch_table  # noqa: E402
@@ -350,4 +351,4 @@ def test_report_on_a_module_forge_does_not_patch():
     assert text.startswith("Linear: not patched by forge") and "not a Hugging Face" in text
     assert "forge.patch needs" not in text
     with pytest.raises(ValueError, match="Linear is not a model forge has patched"):
-        forge.guard_stats(nn.Linear(2, 2))
+        forge.patching.guard_stats(nn.Linear(2, 2))

@@ -78,28 +78,8 @@ def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp
     for name, v in (("graphs", graphs), ("recompute_mlp", recompute_mlp)):
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be True or False, got {v!r}")
-    if kernels is None:
-        requested, explicit = PATCH_KEYS, False
-    else:
-        requested = (kernels,) if isinstance(kernels, str) else tuple(kernels)
-        bad = [k for k in requested if k not in PATCH_KEYS]
-        if bad:
-            raise ValueError(f"kernels: unknown kernel key(s) {bad}; known: {PATCH_KEYS}")
-        explicit = True
-    choices = ("auto",) + ops.BACKENDS
-    if isinstance(backend, str):
-        backend = {k: backend for k in KERNELS}
-    elif isinstance(backend, dict):
-        bad = [k for k in backend if k not in KERNELS]
-        if bad:
-            raise ValueError(f"backend: unknown kernel key(s) {bad}; known: {KERNELS}")
-        backend = {k: backend.get(k, "auto") for k in KERNELS}
-    else:
-        raise TypeError("backend must be 'auto', 'triton', 'pallas' or a dict key -> backend, "
-                        f"got {type(backend).__name__}")
-    for k, b in backend.items():
-        if b not in choices:
-            raise ValueError(f"backend for {k!r} must be one of {choices}, got {b!r}")
+    requested, explicit = _kernels_arg(kernels)
+    backend = _backend_arg(backend)
     if isinstance(min_elements, dict):
         bad = [k for k in min_elements if k not in KERNELS]
         if bad:
@@ -109,6 +89,46 @@ def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp
         min_elements = _count_arg(min_elements)
     return (mode, backend, min_elements, tuple(requested), graphs, recompute_mlp,
             _compile_kernels_arg(compile_kernels), explicit)
+
+
+def _kernels_arg(kernels):
+    """(requested keys, whether the caller named them) for ``kernels``: None (every kernel), one
+    key or a list/tuple/set of keys."""
+    if kernels is None:
+        return PATCH_KEYS, False
+    if isinstance(kernels, str):
+        kernels = (kernels,)
+    elif not isinstance(kernels, list | tuple | set | frozenset):
+        raise TypeError(f"kernels must be None, a kernel key or a list of them (e.g. ['rmsnorm', 'rope']), "
+                        f"keys from {PATCH_KEYS}; got {kernels!r} ({type(kernels).__name__})")
+    requested = tuple(kernels)
+    odd = [k for k in requested if not isinstance(k, str)]
+    if odd:
+        raise TypeError(f"kernels must list kernel keys (strings) from {PATCH_KEYS}; got {odd}")
+    bad = [k for k in requested if k not in PATCH_KEYS]
+    if bad:
+        raise ValueError(f"kernels: unknown kernel key(s) {bad}; valid keys: {PATCH_KEYS}")
+    return requested, True
+
+
+def _backend_arg(backend):
+    """``backend`` ("auto", a backend name, or a dict kernel key -> one of them) as a dict over
+    every kernel; errors quote what the caller wrote."""
+    choices = ("auto",) + ops.BACKENDS
+    if isinstance(backend, str):
+        if backend not in choices:
+            raise ValueError(f"backend={backend!r} is not one of {choices} (or a dict kernel key -> one of them)")
+        return {k: backend for k in KERNELS}
+    if not isinstance(backend, dict):
+        raise TypeError(f"backend must be one of {choices} or a dict kernel key -> one of them, "
+                        f"got {backend!r} ({type(backend).__name__})")
+    bad = [k for k in backend if k not in KERNELS]
+    if bad:
+        raise ValueError(f"backend: unknown kernel key(s) {bad}; valid keys: {KERNELS}")
+    for k, b in backend.items():
+        if not isinstance(b, str) or b not in choices:
+            raise ValueError(f"backend[{k!r}]={b!r} is not one of {choices}")
+    return {k: backend.get(k, "auto") for k in KERNELS}
 
 
 def _compile_kernels_arg(v):
@@ -246,16 +266,24 @@ def unpatch(model):
 
 def report(model):
     """``forge.report(model)``: per kernel, backend, modules, fused and fallback calls and skip
-    reasons (forge.patching.report.Report); an unpatched model reports ``patched=False``."""
-    _chain, root = _unwrap(model)
+    reasons (forge.patching.report.Report); an unpatched model, or a module forge would not
+    patch (no Hugging Face model inside), reports ``patched=False``."""
+    try:
+        _chain, root = _unwrap(model)
+    except errors.UnsupportedModelError:
+        return _report.foreign(model)
     return _report.build(root, root.__dict__.get("_forge_state"))
 
 
 def guard_stats(model) -> GuardStats:
     """The guard statistics of a patched model (``model._forge_guard_stats``)."""
-    _chain, root = _unwrap(model)
-    if "_forge_state" not in root.__dict__:
-        raise ValueError("guard_stats: this model is not patched by forge")
+    try:
+        _chain, root = _unwrap(model)
+    except errors.UnsupportedModelError:
+        root = None
+    if root is None or "_forge_state" not in root.__dict__:
+        raise ValueError(f"guard_stats: {type(model).__name__} is not a model forge has patched "
+                         "(forge.patch(model) first)")
     return root._forge_guard_stats
 
 
