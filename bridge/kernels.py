@@ -135,6 +135,7 @@ def rope(q, k, cos, sin, unsqueeze_dim=1):
     sig = ("rope", q.shape, k.shape, cos.shape, sin.shape, q.dtype, k.dtype, cos.dtype, sin.dtype,
            q.device, k.device, cos.device, sin.device, unsqueeze_dim)
     checked(sig, _check_rope, q, k, cos, sin, unsqueeze_dim)
+    rope_spec.check_tables(cos, sin)  # per call: whether a gradient is asked of them is no part of sig
     if q.numel() == 0 or k.numel() == 0:
         return rope_spec.reference(q, k, cos, sin, unsqueeze_dim)
     logical = "bhsd" if unsqueeze_dim == 1 else "bshd"

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..ops.gated_mlp import _any_autocast
 from ..spec.fused_linear_ce import check_labels
+from ..spec.rope import tables_need_grad
 from .guard import CAPTURE
 
 
@@ -162,9 +163,11 @@ def rebuild(fn, make_inner):
 def rope_function(kernel, orig, threshold, ks, defer=False):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # forge's kernel takes HF's 4-argument call (optionally unsqueeze_dim) with full-width
-        # cos/sin; anything else (partial rotary, legacy position_ids) runs HF's function
+        # cos/sin that ask no gradient (the kernel gives them none); anything else (partial
+        # rotary, legacy position_ids, a learned rotary table) runs HF's function
         if (not args and (not kwargs or kwargs.keys() == {"unsqueeze_dim"})
-                and (q.numel() + k.numel() >= threshold or CAPTURE.on) and cos.shape[-1] == q.shape[-1]):
+                and (q.numel() + k.numel() >= threshold or CAPTURE.on) and cos.shape[-1] == q.shape[-1]
+                and not tables_need_grad(cos, sin)):
             if not _compiling():
                 ks.fused += 1
             elif defer:
