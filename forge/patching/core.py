@@ -309,7 +309,7 @@ def _walk(root, arch, p):
         if cname.endswith(_arch.NORM_SUFFIX) and leaf in arch.norms:
             norms.append(mod)
         elif cname.endswith(_arch.MLP_SUFFIX):
-            mlps.append(mod)
+            mlps.append((name, mod))
         elif cname.endswith(_arch.ATTN_SUFFIX):
             attns.append(mod)
     _apply_rmsnorm(p, arch, norms)
@@ -350,16 +350,47 @@ def _apply_rmsnorm(p, arch, norms):
 
 
 def _apply_glu(p, arch, mlps, lora_mlps):
-    key = arch.glu
-    other = "geglu" if key == "swiglu" else "swiglu"
-    if p.explicit and p.wants(other):
-        p.skip(other, f"{arch.model_type} uses {key}, not {other}", applies=False)
-    act = getattr(p.model.config, arch.act_attr, None)
-    if p.wants(key) and act not in _arch.GLU_ACTS[key]:
-        p.skip(key, f"config.{arch.act_attr}={act!r}, but the {key} kernel computes {_arch.GLU_ACTS[key]}")
-    if p.wants(key) and not mlps and lora_mlps:
-        p.skip(key, f"the fused lora_mlp kernel runs all {lora_mlps} MLP modules (its {key} included)",
-               applies=False)
+    """Each MLP gets the GLU kernel of the activation module it calls (``mlp.act_fn``, read
+    through ``arch.glu_of``), whatever the config names: a user may swap that module. An MLP
+    whose act_fn neither kernel computes keeps its forward, with the reason under the
+    architecture's GLU key; the patched forward checks at call time that act_fn is still of the
+    class it was built for (forwards.glu_forward)."""
+    by_key, odd = {"swiglu": [], "geglu": []}, []
+    for name, mod in mlps:
+        act_fn = mod._modules.get("act_fn")
+        key = _arch.glu_of(act_fn)
+        if key is None:
+            odd.append(f"{name} calls {type(act_fn).__name__}" if act_fn is not None else f"{name} has no act_fn")
+        else:
+            by_key[key].append(mod)
+    for key, found in by_key.items():
+        if not found and key != arch.glu:
+            if p.explicit and p.wants(key):
+                p.skip(key, f"no MLP of this {arch.model_type} model calls the {key} kernel's activation "
+                            f"(its config names {arch.glu})", applies=False)
+            continue
+        if p.wants(key) and not mlps and lora_mlps:
+            p.skip(key, f"the fused lora_mlp kernel runs all {lora_mlps} MLP modules (its {key} included)",
+                   applies=False)
+        if p.wants(key) and mlps and not found:
+            act = getattr(p.model.config, arch.act_attr, None)
+            if odd:
+                p.skip(key, f"the {key} kernel computes {_arch.GLU_ACTS[key][0]}, but {_glu_odd(odd)} "
+                            f"(config.{arch.act_attr}={act!r})")
+            else:  # every MLP calls the other GLU's activation, and runs that kernel
+                p.skip(key, f"no MLP calls {_arch.GLU_ACTS[key][0]} (config.{arch.act_attr}={act!r})", applies=False)
+            continue
+        _glu_modules(p, key, found)
+    if odd and p.wants(arch.glu) and arch.glu in p.counts:
+        p.skip(arch.glu, f"{len(odd)} of {len(mlps)} MLPs keep their own forward: {_glu_odd(odd)}, which no "
+                         "GLU kernel computes")
+
+
+def _glu_odd(odd) -> str:
+    return "; ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
+
+
+def _glu_modules(p, key, mlps):
     kernel = _ready(p, key, mlps, "MLP modules")
     if kernel is None:
         return
@@ -372,8 +403,8 @@ def _apply_glu(p, arch, mlps, lora_mlps):
         if p.is_replaced(mod) or not all(isinstance(getattr(mod, n, None), nn.Module) for n in _arch.MLP_PROJ):
             continue
         width = getattr(mod.gate_proj, "out_features", None) or mod.intermediate_size
-        fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod).forward, width, thr, ks,
-                             p.recompute_mlp, defer=p.defers(key))
+        fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod._modules["act_fn"]), type(mod).forward,
+                             width, thr, ks, p.recompute_mlp, defer=p.defers(key))
         p.replace_forward(mod, key, types.MethodType(fwd, mod))
     if key not in p.counts:
         p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")

@@ -62,15 +62,21 @@ def _plain_linear(m, dtype) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
 
 
-def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks, recompute=False, defer=False):
+def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, recompute=False, defer=False):
     """``mlp``: the gated MLP (forge.spec.gated_mlp): in train mode one autograd node under
     autograd; without autograd (either mode) bare F.linear calls around the kernel (no module
     call overhead). Taken when the three projections are plain bias-free Linears (no autocast,
     no hooks, weights not sharded); otherwise the projections run as modules around ``kernel``.
+    ``act_type``: the class of the module's ``act_fn`` whose activation ``kernel`` computes; a
+    call finding another there (swapped after patching) runs ``orig``, counted as a fallback.
     ``recompute``: the gated MLP keeps only its input for backward (forge.patch(recompute_mlp=)).
     ``defer``: as rmsnorm_forward's, but through :func:`_traced_glu`. Unfused calls inside a
     torch.compile trace take it too."""
     def forward(self, x):
+        if type(self._modules.get("act_fn")) is not act_type:  # (a dict read: no Module.__getattr__)
+            if not _compiling():
+                ks.fallback += 1
+            return orig(self, x)
         # activation elements of the fused call: rows x intermediate width
         if x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on:
             if not _compiling():
