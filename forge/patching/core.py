@@ -13,7 +13,8 @@ RoPE, re-creating each decorator wrapper (``deprecate_kwarg`` and friends, found
 
 Fused loss: the CausalLM forward is rebuilt the same way with its innermost function replaced.
 In a model in training mode (``model.training``) called with ``labels`` and
-``logits_to_keep=0``, it runs the decoder (``use_cache=False`` unless given), shifts the labels
+``logits_to_keep=0``, it runs the decoder (``use_cache=False`` unless given or unless that would
+change the attention masks of packed sequences: ``forwards._masks_blind_to_cache``), shifts the labels
 like HF's ``ForCausalLMLoss`` (pad with ignore_index, drop the first), and returns the fused
 loss with ``logits=None`` (``num_items_in_batch``, ``ignore_index``, ``shift_labels`` and
 gemma2's ``final_logit_softcapping`` honoured). Every other call (no labels, ``model.eval()``, a

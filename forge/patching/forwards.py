@@ -292,12 +292,35 @@ def _eager_builds_cache(decoder) -> bool:
                 and torch.is_grad_enabled())
 
 
+def _masks_blind_to_cache(a) -> bool:
+    """Whether HF's decoder, called with the bound arguments ``a`` and no KV cache, builds the
+    attention masks it builds with the empty cache eager's call makes (config ``use_cache``).
+    transformers' mask builders (``masking_utils._preprocess_mask_arguments``) read an empty
+    cache for its sizes (zero tokens seen: the same as none) and, without one, look for packed
+    sequences: given ``position_ids`` and no attention mask they build a mask that keeps each
+    packed sequence to itself, which with a cache they do not. So: no cache of the caller's,
+    and either no ``position_ids`` (the decoder numbers the tokens 0..S-1: nothing packed) or an
+    attention mask the builders take as it is (2-D over exactly this call's tokens, or 4-D, or a
+    prepared mapping). Anything else runs as eager's call (test_patching_faithful.py)."""
+    if a.get("cache") is not None or a.get("past_key_values") is not None:
+        return False
+    mask = a.get("attention_mask")
+    if mask is None:
+        return a.get("position_ids") is None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        x = a.get("input_ids")
+        x = a.get("inputs_embeds") if x is None else x
+        return isinstance(x, torch.Tensor) and x.dim() >= 2 and mask.shape[-1] == x.shape[1]
+    return True
+
+
 def fused_ce_forward(kernel, inner, softcap_attr, ks):
     """The CausalLM forward of the fused loss (training with labels): the decoder, then the
     lm_head and the loss in one kernel call, ``logits=None``. Labels are checked for their dtype
     before the decoder runs (eager's loss refuses int32 only after it); their range is checked
     by the kernel's entry (forge.spec.fused_linear_ce.check_label_range). The decoder is asked
-    for no KV cache unless the caller passes ``use_cache``; with ``return_dict=False`` the tuple
+    for no KV cache unless the caller passes ``use_cache`` or going without one would change its
+    attention masks (:func:`_masks_blind_to_cache`); with ``return_dict=False`` the tuple
     still has eager's length and positions (``_fused_output_types``)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -335,8 +358,14 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         model_kwargs.update(extra)
         decoder = getattr(self, self.base_model_prefix)
         out_type = output_types[0]
-        if "use_cache" in named and "use_cache" not in a:
-            model_kwargs["use_cache"] = False  # a loss without logits has no use for a KV cache
+        # A loss without logits has no use for a KV cache, which in training is a copy of every
+        # layer's keys and values (and a call with one is never replayed by graphs=True). But
+        # the cache changes the attention masks transformers builds for packed sequences, so
+        # the decoder goes without one only where the masks come out the same; elsewhere it
+        # gets what eager's call gives it (docs/patching.md, "Packed sequences").
+        if "use_cache" in named and "use_cache" not in a and (
+                not _eager_builds_cache(decoder) or _masks_blind_to_cache(a)):
+            model_kwargs["use_cache"] = False
             # (a conditional, not output_types[bool]: dynamo in torch 2.11 refuses a bool index)
             out_type = output_types[1] if _eager_builds_cache(decoder) else output_types[0]
         outputs = decoder(**model_kwargs)
