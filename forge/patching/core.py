@@ -31,17 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
-import operator
-import sys
 import types
-import weakref
 
 from torch import nn
 
 from .. import errors, ops
-from ..spec import KERNELS, lora_dropout
+from ..spec import lora_dropout
 from . import arch as _arch
+from . import args as _args
 from . import decode as _decode
 from . import copying
 from . import forwards as fw
@@ -49,12 +46,9 @@ from . import graphs as _graphs
 from . import qkv as _qkv
 from . import report as _report
 from .guard import GuardStats
-from .patcher import DEFERRED_UNDER_COMPILE, LAYER_KEYS, TORCH, TRAIN_ONLY, Patcher, restore
+from .args import MODES, PATCH_KEYS  # noqa: F401  (forge.patching.core.PATCH_KEYS: tests, bench)
+from .patcher import LAYER_KEYS, TORCH, TRAIN_ONLY, Patcher, restore
 
-# what forge.patch(kernels=) takes: the kernels, and the fusions of torch's own operations
-PATCH_KEYS = KERNELS + (_qkv.KEY,)
-
-MODES = ("train", "infer")
 LORA_KEYS = ("lora_qkv", "lora_mlp")
 _PUBLIC = ("_forge_patched_counts", "_forge_skipped", "_forge_guard_stats", "_forge_backends", "_forge_graphs")
 
@@ -70,94 +64,7 @@ class _State:
 
 
 # ---------------------------------------------------------------------------------------------
-# arguments and model resolution
-
-
-def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp=False, compile_kernels="auto"):
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    for name, v in (("graphs", graphs), ("recompute_mlp", recompute_mlp)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be True or False, got {v!r}")
-    requested, explicit = _kernels_arg(kernels)
-    backend = _backend_arg(backend)
-    if isinstance(min_elements, dict):
-        bad = [k for k in min_elements if k not in KERNELS]
-        if bad:
-            raise ValueError(f"min_elements: unknown kernel key(s) {bad}; known: {KERNELS}")
-        min_elements = {k: _count_arg(v) for k, v in min_elements.items()}
-    elif min_elements is not None:
-        min_elements = _count_arg(min_elements)
-    return (mode, backend, min_elements, tuple(requested), graphs, recompute_mlp,
-            _compile_kernels_arg(compile_kernels), explicit)
-
-
-def _kernels_arg(kernels):
-    """(requested keys, whether the caller named them) for ``kernels``: None (every kernel), one
-    key or a list/tuple/set of keys."""
-    if kernels is None:
-        return PATCH_KEYS, False
-    if isinstance(kernels, str):
-        kernels = (kernels,)
-    elif not isinstance(kernels, list | tuple | set | frozenset):
-        raise TypeError(f"kernels must be None, a kernel key or a list of them (e.g. ['rmsnorm', 'rope']), "
-                        f"keys from {PATCH_KEYS}; got {kernels!r} ({type(kernels).__name__})")
-    requested = tuple(kernels)
-    odd = [k for k in requested if not isinstance(k, str)]
-    if odd:
-        raise TypeError(f"kernels must list kernel keys (strings) from {PATCH_KEYS}; got {odd}")
-    bad = [k for k in requested if k not in PATCH_KEYS]
-    if bad:
-        raise ValueError(f"kernels: unknown kernel key(s) {bad}; valid keys: {PATCH_KEYS}")
-    return requested, True
-
-
-def _backend_arg(backend):
-    """``backend`` ("auto", a backend name, or a dict kernel key -> one of them) as a dict over
-    every kernel; errors quote what the caller wrote."""
-    choices = ("auto",) + ops.BACKENDS
-    if isinstance(backend, str):
-        if backend not in choices:
-            raise ValueError(f"backend={backend!r} is not one of {choices} (or a dict kernel key -> one of them)")
-        return {k: backend for k in KERNELS}
-    if not isinstance(backend, dict):
-        raise TypeError(f"backend must be one of {choices} or a dict kernel key -> one of them, "
-                        f"got {backend!r} ({type(backend).__name__})")
-    bad = [k for k in backend if k not in KERNELS]
-    if bad:
-        raise ValueError(f"backend: unknown kernel key(s) {bad}; valid keys: {KERNELS}")
-    for k, b in backend.items():
-        if not isinstance(b, str) or b not in choices:
-            raise ValueError(f"backend[{k!r}]={b!r} is not one of {choices}")
-    return {k: backend.get(k, "auto") for k in KERNELS}
-
-
-def _compile_kernels_arg(v):
-    """``compile_kernels`` as "auto", "all" or a sorted tuple of kernel keys."""
-    if isinstance(v, str) and v in ("auto", "all"):
-        return v
-    if isinstance(v, str) or not isinstance(v, list | tuple | set | frozenset):
-        raise TypeError(f"compile_kernels must be 'auto', 'all' or a list of kernel keys, got {v!r}")
-    bad = [k for k in v if k not in DEFERRED_UNDER_COMPILE]
-    if bad:
-        raise ValueError(f"compile_kernels lists which of {DEFERRED_UNDER_COMPILE} keep forge's kernel inside "
-                         f"torch.compile (the fused loss and LoRA kernels always do); got {bad}")
-    return tuple(sorted(v))
-
-
-def _count_arg(v) -> int:
-    """An integer-like min_elements value (int, numpy or torch integer) as a plain int."""
-    if not isinstance(v, bool):
-        try:
-            v = operator.index(v)
-        except TypeError:
-            pass
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TypeError(f"min_elements must be None, a non-negative integer or a dict of them, "
-                        f"got {v!r} ({type(v).__name__})")
-    if v < 0:
-        raise ValueError(f"min_elements must be non-negative, got {v}")
-    return v
+# model resolution (the arguments: args.py)
 
 
 def _unwrap(model):
@@ -205,7 +112,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     Patching again with the same arguments is a no-op; with different ones the model is
     unpatched first. Any error while patching leaves the model unpatched.
     """
-    args = _normalize(mode, backend, min_elements, kernels, graphs, recompute_mlp, compile_kernels)
+    args = _args.normalize(mode, backend, min_elements, kernels, graphs, recompute_mlp, compile_kernels)
     chain, root = _unwrap(model)
     arch = _arch_of(root)
     state = root.__dict__.get("_forge_state")
@@ -411,39 +318,6 @@ def _glu_modules(p, key, mlps):
         p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")
 
 
-_GLOBALS_SEQ = itertools.count()
-
-
-def _globals_module(g: dict) -> dict:
-    """A copy of a module's globals that is itself a module's ``__dict__``, registered in
-    ``sys.modules`` under a name of its own: torch.compile finds a function's globals through the
-    module named by ``__name__`` (it guards on them there), so a plain dict copy that still says
-    HF's module name would be read back as HF's module. The entry goes when the last function
-    using these globals does (weakref.finalize on the rebuilt forward, see :func:`_rebuilt_with`)."""
-    name = f"forge._patched_globals.{g.get('__name__', 'module')}.{next(_GLOBALS_SEQ)}"
-    mod = types.ModuleType(name)
-    mod.__dict__.update(g)
-    mod.__dict__["__name__"] = name
-    sys.modules[name] = mod
-    return mod.__dict__
-
-
-def _rebuilt_with(fn, inner, names: dict):
-    """``fn`` (a class's forward, ``inner`` its innermost function) rebuilt over a copy of
-    ``inner``'s module globals in which each of ``names`` is replaced: the module itself, and
-    every other model using it, keep theirs. The copy's ``sys.modules`` entry goes with the
-    rebuilt function (or at once, if the rebuild fails: fw.RebuildError)."""
-    g = _globals_module(inner.__globals__)
-    g.update(names)
-    try:
-        built = fw.rebuild(fn, lambda f: fw.copy_function(f, g, f.__closure__))
-    except fw.RebuildError:
-        sys.modules.pop(g["__name__"], None)
-        raise
-    weakref.finalize(built, sys.modules.pop, g["__name__"], None)
-    return built
-
-
 def _apply_rope(p, arch, attns):
     if not arch.rope and p.wants("rope"):
         p.skip("rope", f"{arch.model_type} attention does not use apply_rotary_pos_emb", applies=False)
@@ -465,7 +339,7 @@ def _apply_rope(p, arch, attns):
                     raise fw.RebuildError(f"{cls.__name__}.forward does not call a module-level {name}")
                 # forge's RoPE under HF's name, in a copy of the modeling module's globals
                 rope = fw.rope_function(kernel, g[name], thr, ks, defer=p.defers("rope"))
-                built[cls] = _rebuilt_with(cls.forward, inner, {name: rope})
+                built[cls] = fw.rebuilt_with(cls.forward, inner, {name: rope})
             except fw.RebuildError as e:
                 why.append(str(e))
         if built[cls] is not None:
@@ -558,7 +432,7 @@ def _apply_causal_mask(root, p):
             params = list(inspect.signature(inner).parameters)[1:]  # (after self)
             if not names or not {"attention_mask", "position_ids"} <= set(params):
                 continue
-            plain = _rebuilt_with(fwd, inner, names)
+            plain = fw.rebuilt_with(fwd, inner, names)
         except fw.RebuildError:
             return
         where = {n: params.index(n) for n in ("attention_mask", "position_ids")}

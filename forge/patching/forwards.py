@@ -16,7 +16,10 @@ import copy
 import dataclasses
 import functools
 import inspect
+import itertools
+import sys
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -164,6 +167,39 @@ def rebuild(fn, make_inner):
     new_inner = rebuild(wrapped, make_inner)
     closure = tuple(types.CellType(new_inner) if i == hits[0] else c for i, c in enumerate(cells))
     return copy_function(fn, fn.__globals__, closure, wrapped=new_inner)
+
+
+_GLOBALS_SEQ = itertools.count()
+
+
+def _globals_module(g: dict) -> dict:
+    """A copy of a module's globals that is itself a module's ``__dict__``, registered in
+    ``sys.modules`` under a name of its own: torch.compile finds a function's globals through the
+    module named by ``__name__`` (it guards on them there), so a plain dict copy that still says
+    HF's module name would be read back as HF's module. The entry goes when the last function
+    using these globals does (weakref.finalize on the rebuilt forward, see :func:`rebuilt_with`)."""
+    name = f"forge._patched_globals.{g.get('__name__', 'module')}.{next(_GLOBALS_SEQ)}"
+    mod = types.ModuleType(name)
+    mod.__dict__.update(g)
+    mod.__dict__["__name__"] = name
+    sys.modules[name] = mod
+    return mod.__dict__
+
+
+def rebuilt_with(fn, inner, names: dict):
+    """``fn`` (a class's forward, ``inner`` its innermost function) rebuilt over a copy of
+    ``inner``'s module globals in which each of ``names`` is replaced: the module itself, and
+    every other model using it, keep theirs. The copy's ``sys.modules`` entry goes with the
+    rebuilt function (or at once, if the rebuild fails: RebuildError)."""
+    g = _globals_module(inner.__globals__)
+    g.update(names)
+    try:
+        built = rebuild(fn, lambda f: copy_function(f, g, f.__closure__))
+    except RebuildError:
+        sys.modules.pop(g["__name__"], None)
+        raise
+    weakref.finalize(built, sys.modules.pop, g["__name__"], None)
+    return built
 
 
 def rope_function(kernel, orig, threshold, ks, defer=False):
