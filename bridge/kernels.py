@@ -140,6 +140,7 @@ def _check_rope(q, k, cos, sin, unsqueeze_dim):
 def rope(q, k, cos, sin, unsqueeze_dim=1):
     sig = ("rope", _tsig(q, k, cos, sin), unsqueeze_dim)
     checked(sig, _check_rope, q, k, cos, sin, unsqueeze_dim)
+    rope_spec.check_tables(cos, sin)  # per call: whether a gradient is asked of them is no part of sig
     if q.numel() == 0 or k.numel() == 0:
         return rope_spec.reference(q, k, cos, sin, unsqueeze_dim)
     logical = "bhsd" if unsqueeze_dim == 1 else "bshd"

@@ -58,7 +58,8 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     ``model._forge_guard_stats`` (fused / fallback calls per key; ``.reset()``). The fused loss
     runs when the model is in training mode (``model.train()``) and called with ``labels``: it
     returns ``loss`` with ``logits=None`` (and asks the decoder for no KV cache unless ``use_cache``
-    is passed); with ``return_dict=False`` its tuple has eager's length and positions, None where
+    is passed, or the call's ``position_ids`` without an attention mask make the cache matter to
+    transformers' masks: docs/patching.md, "Packed sequences"); with ``return_dict=False`` its tuple has eager's length and positions, None where
     eager has logits (and a cache the fused path did not build). Labels must be int64, each in
     [0, vocab) or -100, as eager's loss requires (docs/fused_linear_ce.md). Otherwise (eval, no
     labels, ``generate()``) logits come out as before. Patching again with the same arguments is

@@ -176,6 +176,8 @@ def _hot(q, k, cos, sin, unsqueeze_dim) -> bool:
     """What spec.check accepts, in the layout HF passes (unsqueeze_dim 1, cos (B|1, S, D))."""
     if unsqueeze_dim != 1 or not _common.hot_tensors(q, k, cos, sin) or q.dtype is not k.dtype:
         return False
+    if spec.tables_need_grad(cos, sin):  # the spec's check refuses it
+        return False
     qs, ks, cs = q.shape, k.shape, cos.shape
     return (len(qs) == 4 and len(ks) == 4 and len(cs) == 3 and cs == sin.shape
             and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3] and not qs[3] & 1

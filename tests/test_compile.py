@@ -366,10 +366,14 @@ def test_compiled_patched_model_attends_causally_without_a_mask(model_type):
     pad[0, :3] = 0
     assert traced(attention_mask=pad)[0] == [(True, False)]  # padding: HF's mask
     packed = torch.cat([torch.arange(4), torch.arange(4)]).expand(ids.shape[0], -1)
-    got, loss = traced(position_ids=packed)  # given position ids: HF's mask (packed sequences)
+    # given position ids and no KV cache: HF's mask (packed sequences kept apart)
+    got, loss = traced(position_ids=packed, use_cache=False)
     assert got == [(True, False)]
-    _close("loss", loss.detach(), model(ids, labels=labels, position_ids=packed).loss.detach(),
+    _close("loss", loss.detach(), model(ids, labels=labels, position_ids=packed, use_cache=False).loss.detach(),
            model.config.vocab_size)
+    # with the config's KV cache, as the unpatched model runs them, whatever mask HF builds
+    _close("loss", traced(position_ids=packed)[1].detach(),
+           model(ids, labels=labels, position_ids=packed).loss.detach(), model.config.vocab_size)
     model.eval()  # inference: the decoder makes an empty KV cache, which holds no earlier tokens
     with torch.no_grad():
         got, logits = compiled()

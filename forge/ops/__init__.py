@@ -39,6 +39,7 @@ import functools
 import importlib
 
 from ..errors import BackendUnavailableError
+from ..spec import KERNELS
 
 
 def _triton_interpreted() -> bool:
@@ -135,9 +136,23 @@ def _ops_installed(backend: str) -> None:
     library.register(backend, importlib.import_module(_entry(backend).adaptor))
 
 
+# what get() hands out: the spec's kernels, the nodes built here, and the decode attention the
+# graph runtime takes (a backend's other attributes are its pieces, not kernels)
+KERNEL_KEYS = tuple(dict.fromkeys(KERNELS + NODES + ("decode_attention",)))
+
+
 def get(key: str, backend: str):
-    """The kernel ``key`` of ``backend`` in the spec's signature (raises
-    BackendUnavailableError when the backend cannot run here or lacks the kernel)."""
+    """The kernel ``key`` (one of :data:`KERNEL_KEYS`) of ``backend`` in the spec's signature.
+    Raises TypeError / ValueError for a key or backend that is no string or not a known one,
+    BackendUnavailableError when the backend cannot run here or lacks the kernel."""
+    if not isinstance(key, str):
+        raise TypeError(f"forge.ops.get: key must be a kernel key string, one of {KERNEL_KEYS}; "
+                        f"got {type(key).__name__}")
+    if not isinstance(backend, str):
+        raise TypeError(f"forge.ops.get: backend must be one of {BACKENDS}, got {type(backend).__name__}")
+    if key not in KERNEL_KEYS:
+        raise ValueError(f"forge.ops.get: unknown kernel key {key!r}; valid keys: {KERNEL_KEYS}")
+    _entry(backend)  # an unknown backend: ValueError naming the valid ones
     require(backend)
     _ops_installed(backend)
     if key in NODES:

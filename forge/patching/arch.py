@@ -7,9 +7,10 @@ Each entry says, for one ``config.model_type``, where the kernels apply and with
   with the casting convention and weight offset of ``forge.spec.rmsnorm``: llama/qwen/mistral
   normalise in fp32, cast back, then multiply by ``w`` (``casting="llama"``, offset 0); gemma and
   gemma2 multiply by ``1 + w`` in fp32 before the cast (``casting="gemma"``, offset 1).
-- ``glu``: the MLP's gated activation, and ``act_attr`` the config field naming the activation;
-  the kernel is applied only when that field names exactly the function the kernel computes
-  (``GLU_ACTS``), since e.g. exact-erf gelu differs from the tanh approximation.
+- ``glu``: the MLP's gated activation, and ``act_attr`` the config field naming the activation
+  (``GLU_ACTS``: the names each kernel computes exactly; e.g. exact-erf gelu differs from the
+  tanh approximation). The walker picks each MLP's kernel from the activation module it calls,
+  ``mlp.act_fn`` (``glu_of``), not from the config: a user may swap that module.
 - ``rope``: the attention forward calls the module-level ``apply_rotary_pos_emb`` (HF's
   rotate_half convention); forge swaps it per attention instance, never in the HF module.
 - ``logit_softcap_attr``: config field of the final logit soft-capping the CausalLM forward
@@ -55,6 +56,21 @@ GLU_ACTS = {
     "swiglu": ("silu", "swish"),
     "geglu": ("gelu_pytorch_tanh",),
 }
+
+# the activation modules each GLU kernel computes exactly, by class (module, qualified name):
+# the class itself, never a subclass, which may compute something else
+GLU_ACT_CLASSES = {
+    "swiglu": (("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation")),
+    "geglu": (("transformers.activations", "GELUTanh"), ("transformers.activations", "PytorchGELUTanh")),
+}
+
+
+def glu_of(act_fn) -> str | None:
+    """The GLU kernel whose activation is the module ``act_fn`` ("swiglu" / "geglu"), else None."""
+    cls = type(act_fn)
+    name = (cls.__module__, cls.__qualname__)
+    return next((key for key, names in GLU_ACT_CLASSES.items() if name in names), None)
+
 
 _LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm", "norm")
 

@@ -13,7 +13,8 @@ RoPE, re-creating each decorator wrapper (``deprecate_kwarg`` and friends, found
 
 Fused loss: the CausalLM forward is rebuilt the same way with its innermost function replaced.
 In a model in training mode (``model.training``) called with ``labels`` and
-``logits_to_keep=0``, it runs the decoder (``use_cache=False`` unless given), shifts the labels
+``logits_to_keep=0``, it runs the decoder (``use_cache=False`` unless given or unless that would
+change the attention masks of packed sequences: ``forwards._masks_blind_to_cache``), shifts the labels
 like HF's ``ForCausalLMLoss`` (pad with ignore_index, drop the first), and returns the fused
 loss with ``logits=None`` (``num_items_in_batch``, ``ignore_index``, ``shift_labels`` and
 gemma2's ``final_logit_softcapping`` honoured). Every other call (no labels, ``model.eval()``, a
@@ -31,17 +32,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import itertools
-import operator
-import sys
 import types
-import weakref
 
 from torch import nn
 
 from .. import defaults, errors, ops
-from ..spec import KERNELS, lora_dropout
+from ..spec import lora_dropout
 from . import arch as _arch
+from . import args as _args
 from . import decode as _decode
 from . import copying
 from . import forwards as fw
@@ -49,12 +47,9 @@ from . import graphs as _graphs
 from . import qkv as _qkv
 from . import report as _report
 from .guard import GuardStats
-from .patcher import DEFERRED_UNDER_COMPILE, LAYER_KEYS, TORCH, TRAIN_ONLY, Patcher, restore
+from .args import MODES, PATCH_KEYS  # noqa: F401  (forge.patching.core.PATCH_KEYS: tests, bench)
+from .patcher import LAYER_KEYS, TORCH, TRAIN_ONLY, Patcher, restore
 
-# what forge.patch(kernels=) takes: the kernels, and the fusions of torch's own operations
-PATCH_KEYS = KERNELS + (_qkv.KEY,)
-
-MODES = ("train", "infer")
 LORA_KEYS = ("lora_qkv", "lora_o", "lora_mlp")
 _PUBLIC = ("_forge_patched_counts", "_forge_skipped", "_forge_guard_stats", "_forge_backends", "_forge_graphs")
 
@@ -70,74 +65,7 @@ class _State:
 
 
 # ---------------------------------------------------------------------------------------------
-# arguments and model resolution
-
-
-def _normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp=False, compile_kernels="auto"):
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    for name, v in (("graphs", graphs), ("recompute_mlp", recompute_mlp)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be True or False, got {v!r}")
-    if kernels is None:
-        requested, explicit = PATCH_KEYS, False
-    else:
-        requested = (kernels,) if isinstance(kernels, str) else tuple(kernels)
-        bad = [k for k in requested if k not in PATCH_KEYS]
-        if bad:
-            raise ValueError(f"kernels: unknown kernel key(s) {bad}; known: {PATCH_KEYS}")
-        explicit = True
-    choices = ("auto",) + ops.BACKENDS
-    if isinstance(backend, str):
-        backend = {k: backend for k in KERNELS}
-    elif isinstance(backend, dict):
-        bad = [k for k in backend if k not in KERNELS]
-        if bad:
-            raise ValueError(f"backend: unknown kernel key(s) {bad}; known: {KERNELS}")
-        backend = {k: backend.get(k, "auto") for k in KERNELS}
-    else:
-        raise TypeError("backend must be 'auto', 'triton', 'pallas' or a dict key -> backend, "
-                        f"got {type(backend).__name__}")
-    for k, b in backend.items():
-        if b not in choices:
-            raise ValueError(f"backend for {k!r} must be one of {choices}, got {b!r}")
-    if isinstance(min_elements, dict):
-        bad = [k for k in min_elements if k not in KERNELS]
-        if bad:
-            raise ValueError(f"min_elements: unknown kernel key(s) {bad}; known: {KERNELS}")
-        min_elements = {k: _count_arg(v) for k, v in min_elements.items()}
-    elif min_elements is not None:
-        min_elements = _count_arg(min_elements)
-    return (mode, backend, min_elements, tuple(requested), graphs, recompute_mlp,
-            _compile_kernels_arg(compile_kernels), explicit)
-
-
-def _compile_kernels_arg(v):
-    """``compile_kernels`` as "auto", "all" or a sorted tuple of kernel keys."""
-    if isinstance(v, str) and v in ("auto", "all"):
-        return v
-    if isinstance(v, str) or not isinstance(v, list | tuple | set | frozenset):
-        raise TypeError(f"compile_kernels must be 'auto', 'all' or a list of kernel keys, got {v!r}")
-    bad = [k for k in v if k not in DEFERRED_UNDER_COMPILE]
-    if bad:
-        raise ValueError(f"compile_kernels lists which of {DEFERRED_UNDER_COMPILE} keep forge's kernel inside "
-                         f"torch.compile (the fused loss and LoRA kernels always do); got {bad}")
-    return tuple(sorted(v))
-
-
-def _count_arg(v) -> int:
-    """An integer-like min_elements value (int, numpy or torch integer) as a plain int."""
-    if not isinstance(v, bool):
-        try:
-            v = operator.index(v)
-        except TypeError:
-            pass
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TypeError(f"min_elements must be None, a non-negative integer or a dict of them, "
-                        f"got {v!r} ({type(v).__name__})")
-    if v < 0:
-        raise ValueError(f"min_elements must be non-negative, got {v}")
-    return v
+# model resolution (the arguments: args.py)
 
 
 def _unwrap(model):
@@ -187,7 +115,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     Patching again with the same arguments is a no-op; with different ones the model is
     unpatched first. Any error while patching leaves the model unpatched.
     """
-    args = _normalize(mode, backend, min_elements, kernels, graphs, recompute_mlp, compile_kernels)
+    args = _args.normalize(mode, backend, min_elements, kernels, graphs, recompute_mlp, compile_kernels)
     chain, root = _unwrap(model)
     arch = _arch_of(root)
     state = root.__dict__.get("_forge_state")
@@ -253,16 +181,24 @@ def unpatch(model):
 
 def report(model):
     """``forge.report(model)``: per kernel, backend, modules, fused and fallback calls and skip
-    reasons (forge.patching.report.Report); an unpatched model reports ``patched=False``."""
-    _chain, root = _unwrap(model)
+    reasons (forge.patching.report.Report); an unpatched model, or a module forge would not
+    patch (no Hugging Face model inside), reports ``patched=False``."""
+    try:
+        _chain, root = _unwrap(model)
+    except errors.UnsupportedModelError:
+        return _report.foreign(model)
     return _report.build(root, root.__dict__.get("_forge_state"))
 
 
 def guard_stats(model) -> GuardStats:
     """The guard statistics of a patched model (``model._forge_guard_stats``)."""
-    _chain, root = _unwrap(model)
-    if "_forge_state" not in root.__dict__:
-        raise ValueError("guard_stats: this model is not patched by forge")
+    try:
+        _chain, root = _unwrap(model)
+    except errors.UnsupportedModelError:
+        root = None
+    if root is None or "_forge_state" not in root.__dict__:
+        raise ValueError(f"guard_stats: {type(model).__name__} is not a model forge has patched "
+                         "(forge.patch(model) first)")
     return root._forge_guard_stats
 
 
@@ -288,7 +224,7 @@ def _walk(root, arch, p):
         if cname.endswith(_arch.NORM_SUFFIX) and leaf in arch.norms:
             norms.append(mod)
         elif cname.endswith(_arch.MLP_SUFFIX):
-            mlps.append(mod)
+            mlps.append((name, mod))
         elif cname.endswith(_arch.ATTN_SUFFIX):
             attns.append(mod)
     _apply_rmsnorm(p, arch, norms)
@@ -329,16 +265,47 @@ def _apply_rmsnorm(p, arch, norms):
 
 
 def _apply_glu(p, arch, mlps, lora_mlps):
-    key = arch.glu
-    other = "geglu" if key == "swiglu" else "swiglu"
-    if p.explicit and p.wants(other):
-        p.skip(other, f"{arch.model_type} uses {key}, not {other}", applies=False)
-    act = getattr(p.model.config, arch.act_attr, None)
-    if p.wants(key) and act not in _arch.GLU_ACTS[key]:
-        p.skip(key, f"config.{arch.act_attr}={act!r}, but the {key} kernel computes {_arch.GLU_ACTS[key]}")
-    if p.wants(key) and not mlps and lora_mlps:
-        p.skip(key, f"the fused lora_mlp kernel runs all {lora_mlps} MLP modules (its {key} included)",
-               applies=False)
+    """Each MLP gets the GLU kernel of the activation module it calls (``mlp.act_fn``, read
+    through ``arch.glu_of``), whatever the config names: a user may swap that module. An MLP
+    whose act_fn neither kernel computes keeps its forward, with the reason under the
+    architecture's GLU key; the patched forward checks at call time that act_fn is still of the
+    class it was built for (forwards.glu_forward)."""
+    by_key, odd = {"swiglu": [], "geglu": []}, []
+    for name, mod in mlps:
+        act_fn = mod._modules.get("act_fn")
+        key = _arch.glu_of(act_fn)
+        if key is None:
+            odd.append(f"{name} calls {type(act_fn).__name__}" if act_fn is not None else f"{name} has no act_fn")
+        else:
+            by_key[key].append(mod)
+    for key, found in by_key.items():
+        if not found and key != arch.glu:
+            if p.explicit and p.wants(key):
+                p.skip(key, f"no MLP of this {arch.model_type} model calls the {key} kernel's activation "
+                            f"(its config names {arch.glu})", applies=False)
+            continue
+        if p.wants(key) and not mlps and lora_mlps:
+            p.skip(key, f"the fused lora_mlp kernel runs all {lora_mlps} MLP modules (its {key} included)",
+                   applies=False)
+        if p.wants(key) and mlps and not found:
+            act = getattr(p.model.config, arch.act_attr, None)
+            if odd:
+                p.skip(key, f"the {key} kernel computes {_arch.GLU_ACTS[key][0]}, but {_glu_odd(odd)} "
+                            f"(config.{arch.act_attr}={act!r})")
+            else:  # every MLP calls the other GLU's activation, and runs that kernel
+                p.skip(key, f"no MLP calls {_arch.GLU_ACTS[key][0]} (config.{arch.act_attr}={act!r})", applies=False)
+            continue
+        _glu_modules(p, key, found)
+    if odd and p.wants(arch.glu) and arch.glu in p.counts:
+        p.skip(arch.glu, f"{len(odd)} of {len(mlps)} MLPs keep their own forward: {_glu_odd(odd)}, which no "
+                         "GLU kernel computes")
+
+
+def _glu_odd(odd) -> str:
+    return "; ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
+
+
+def _glu_modules(p, key, mlps):
     kernel = _ready(p, key, mlps, "MLP modules")
     if kernel is None:
         return
@@ -351,44 +318,11 @@ def _apply_glu(p, arch, mlps, lora_mlps):
         if p.is_replaced(mod) or not all(isinstance(getattr(mod, n, None), nn.Module) for n in _arch.MLP_PROJ):
             continue
         width = getattr(mod.gate_proj, "out_features", None) or mod.intermediate_size
-        fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod).forward, width, thr, ks,
-                             p.recompute_mlp, defer=p.defers(key))
+        fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod._modules["act_fn"]), type(mod).forward,
+                             width, thr, ks, p.recompute_mlp, defer=p.defers(key))
         p.replace_forward(mod, key, types.MethodType(fwd, mod))
     if key not in p.counts:
         p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")
-
-
-_GLOBALS_SEQ = itertools.count()
-
-
-def _globals_module(g: dict) -> dict:
-    """A copy of a module's globals that is itself a module's ``__dict__``, registered in
-    ``sys.modules`` under a name of its own: torch.compile finds a function's globals through the
-    module named by ``__name__`` (it guards on them there), so a plain dict copy that still says
-    HF's module name would be read back as HF's module. The entry goes when the last function
-    using these globals does (weakref.finalize on the rebuilt forward, see :func:`_rebuilt_with`)."""
-    name = f"forge._patched_globals.{g.get('__name__', 'module')}.{next(_GLOBALS_SEQ)}"
-    mod = types.ModuleType(name)
-    mod.__dict__.update(g)
-    mod.__dict__["__name__"] = name
-    sys.modules[name] = mod
-    return mod.__dict__
-
-
-def _rebuilt_with(fn, inner, names: dict):
-    """``fn`` (a class's forward, ``inner`` its innermost function) rebuilt over a copy of
-    ``inner``'s module globals in which each of ``names`` is replaced: the module itself, and
-    every other model using it, keep theirs. The copy's ``sys.modules`` entry goes with the
-    rebuilt function (or at once, if the rebuild fails: fw.RebuildError)."""
-    g = _globals_module(inner.__globals__)
-    g.update(names)
-    try:
-        built = fw.rebuild(fn, lambda f: fw.copy_function(f, g, f.__closure__))
-    except fw.RebuildError:
-        sys.modules.pop(g["__name__"], None)
-        raise
-    weakref.finalize(built, sys.modules.pop, g["__name__"], None)
-    return built
 
 
 def _apply_rope(p, arch, attns):
@@ -412,7 +346,7 @@ def _apply_rope(p, arch, attns):
                     raise fw.RebuildError(f"{cls.__name__}.forward does not call a module-level {name}")
                 # forge's RoPE under HF's name, in a copy of the modeling module's globals
                 rope = fw.rope_function(kernel, g[name], thr, ks, defer=p.defers("rope"))
-                built[cls] = _rebuilt_with(cls.forward, inner, {name: rope})
+                built[cls] = fw.rebuilt_with(cls.forward, inner, {name: rope})
             except fw.RebuildError as e:
                 why.append(str(e))
         if built[cls] is not None:
@@ -506,7 +440,7 @@ def _apply_causal_mask(root, p):
             params = list(inspect.signature(inner).parameters)[1:]  # (after self)
             if not names or not {"attention_mask", "position_ids"} <= set(params):
                 continue
-            plain = _rebuilt_with(fwd, inner, names)
+            plain = fw.rebuilt_with(fwd, inner, names)
         except fw.RebuildError:
             return
         where = {n: params.index(n) for n in ("attention_mask", "position_ids")}

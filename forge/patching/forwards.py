@@ -16,7 +16,10 @@ import copy
 import dataclasses
 import functools
 import inspect
+import itertools
+import sys
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,7 @@ from torch import nn
 
 from ..ops.gated_mlp import _any_autocast
 from ..spec.fused_linear_ce import check_labels
+from ..spec.rope import tables_need_grad
 from .guard import CAPTURE
 
 
@@ -61,15 +65,21 @@ def _plain_linear(m, dtype) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
 
 
-def glu_forward(kernel, mlp, train, act, orig, width, threshold, ks, recompute=False, defer=False):
+def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, recompute=False, defer=False):
     """``mlp``: the gated MLP (forge.spec.gated_mlp): in train mode one autograd node under
     autograd; without autograd (either mode) bare F.linear calls around the kernel (no module
     call overhead). Taken when the three projections are plain bias-free Linears (no autocast,
     no hooks, weights not sharded); otherwise the projections run as modules around ``kernel``.
+    ``act_type``: the class of the module's ``act_fn`` whose activation ``kernel`` computes; a
+    call finding another there (swapped after patching) runs ``orig``, counted as a fallback.
     ``recompute``: the gated MLP keeps only its input for backward (forge.patch(recompute_mlp=)).
     ``defer``: as rmsnorm_forward's, but through :func:`_traced_glu`. Unfused calls inside a
     torch.compile trace take it too."""
     def forward(self, x):
+        if type(self._modules.get("act_fn")) is not act_type:  # (a dict read: no Module.__getattr__)
+            if not _compiling():
+                ks.fallback += 1
+            return orig(self, x)
         # activation elements of the fused call: rows x intermediate width
         if x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on:
             if not _compiling():
@@ -159,12 +169,47 @@ def rebuild(fn, make_inner):
     return copy_function(fn, fn.__globals__, closure, wrapped=new_inner)
 
 
+_GLOBALS_SEQ = itertools.count()
+
+
+def _globals_module(g: dict) -> dict:
+    """A copy of a module's globals that is itself a module's ``__dict__``, registered in
+    ``sys.modules`` under a name of its own: torch.compile finds a function's globals through the
+    module named by ``__name__`` (it guards on them there), so a plain dict copy that still says
+    HF's module name would be read back as HF's module. The entry goes when the last function
+    using these globals does (weakref.finalize on the rebuilt forward, see :func:`rebuilt_with`)."""
+    name = f"forge._patched_globals.{g.get('__name__', 'module')}.{next(_GLOBALS_SEQ)}"
+    mod = types.ModuleType(name)
+    mod.__dict__.update(g)
+    mod.__dict__["__name__"] = name
+    sys.modules[name] = mod
+    return mod.__dict__
+
+
+def rebuilt_with(fn, inner, names: dict):
+    """``fn`` (a class's forward, ``inner`` its innermost function) rebuilt over a copy of
+    ``inner``'s module globals in which each of ``names`` is replaced: the module itself, and
+    every other model using it, keep theirs. The copy's ``sys.modules`` entry goes with the
+    rebuilt function (or at once, if the rebuild fails: RebuildError)."""
+    g = _globals_module(inner.__globals__)
+    g.update(names)
+    try:
+        built = rebuild(fn, lambda f: copy_function(f, g, f.__closure__))
+    except RebuildError:
+        sys.modules.pop(g["__name__"], None)
+        raise
+    weakref.finalize(built, sys.modules.pop, g["__name__"], None)
+    return built
+
+
 def rope_function(kernel, orig, threshold, ks, defer=False):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # forge's kernel takes HF's 4-argument call (optionally unsqueeze_dim) with full-width
-        # cos/sin; anything else (partial rotary, legacy position_ids) runs HF's function
+        # cos/sin that ask no gradient (the kernel gives them none); anything else (partial
+        # rotary, legacy position_ids, a learned rotary table) runs HF's function
         if (not args and (not kwargs or kwargs.keys() == {"unsqueeze_dim"})
-                and (q.numel() + k.numel() >= threshold or CAPTURE.on) and cos.shape[-1] == q.shape[-1]):
+                and (q.numel() + k.numel() >= threshold or CAPTURE.on) and cos.shape[-1] == q.shape[-1]
+                and not tables_need_grad(cos, sin)):
             if not _compiling():
                 ks.fused += 1
             elif defer:
@@ -283,12 +328,35 @@ def _eager_builds_cache(decoder) -> bool:
                 and torch.is_grad_enabled())
 
 
+def _masks_blind_to_cache(a) -> bool:
+    """Whether HF's decoder, called with the bound arguments ``a`` and no KV cache, builds the
+    attention masks it builds with the empty cache eager's call makes (config ``use_cache``).
+    transformers' mask builders (``masking_utils._preprocess_mask_arguments``) read an empty
+    cache for its sizes (zero tokens seen: the same as none) and, without one, look for packed
+    sequences: given ``position_ids`` and no attention mask they build a mask that keeps each
+    packed sequence to itself, which with a cache they do not. So: no cache of the caller's,
+    and either no ``position_ids`` (the decoder numbers the tokens 0..S-1: nothing packed) or an
+    attention mask the builders take as it is (2-D over exactly this call's tokens, or 4-D, or a
+    prepared mapping). Anything else runs as eager's call (test_patching_faithful.py)."""
+    if a.get("cache") is not None or a.get("past_key_values") is not None:
+        return False
+    mask = a.get("attention_mask")
+    if mask is None:
+        return a.get("position_ids") is None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        x = a.get("input_ids")
+        x = a.get("inputs_embeds") if x is None else x
+        return isinstance(x, torch.Tensor) and x.dim() >= 2 and mask.shape[-1] == x.shape[1]
+    return True
+
+
 def fused_ce_forward(kernel, inner, softcap_attr, ks):
     """The CausalLM forward of the fused loss (training with labels): the decoder, then the
     lm_head and the loss in one kernel call, ``logits=None``. Labels are checked for their dtype
     before the decoder runs (eager's loss refuses int32 only after it); their range is checked
     by the kernel's entry (forge.spec.fused_linear_ce.check_label_range). The decoder is asked
-    for no KV cache unless the caller passes ``use_cache``; with ``return_dict=False`` the tuple
+    for no KV cache unless the caller passes ``use_cache`` or going without one would change its
+    attention masks (:func:`_masks_blind_to_cache`); with ``return_dict=False`` the tuple
     still has eager's length and positions (``_fused_output_types``)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -317,17 +385,23 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         extra = dict(a.get(varkw) or {}) if varkw else {}
         ignore_index = extra.get("ignore_index", -100)
         shift = extra.get("shift_labels")
+        check_labels(labels if shift is None else shift)  # before the pad below (uint8 fails in it)
         if shift is None:  # HF's ForCausalLMLoss: position t predicts label t + 1
             shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        check_labels(shift)
         # the decoder gets what HF's forward passes it: every named input but the two consumed
         # here, plus the extra kwargs (HF passes num_items_in_batch etc. to both)
         model_kwargs = {n: a[n] for n in named if n in a and n not in ("labels", "logits_to_keep")}
         model_kwargs.update(extra)
         decoder = getattr(self, self.base_model_prefix)
         out_type = output_types[0]
-        if "use_cache" in named and "use_cache" not in a:
-            model_kwargs["use_cache"] = False  # a loss without logits has no use for a KV cache
+        # A loss without logits has no use for a KV cache, which in training is a copy of every
+        # layer's keys and values (and a call with one is never replayed by graphs=True). But
+        # the cache changes the attention masks transformers builds for packed sequences, so
+        # the decoder goes without one only where the masks come out the same; elsewhere it
+        # gets what eager's call gives it (docs/patching.md, "Packed sequences").
+        if "use_cache" in named and "use_cache" not in a and (
+                not _eager_builds_cache(decoder) or _masks_blind_to_cache(a)):
+            model_kwargs["use_cache"] = False
             # (a conditional, not output_types[bool]: dynamo in torch 2.11 refuses a bool index)
             out_type = output_types[1] if _eager_builds_cache(decoder) else output_types[0]
         outputs = decoder(**model_kwargs)

@@ -118,12 +118,14 @@ def _call(x, args, kwargs, ps, names, ts):
 
 
 # ------------------------------------------------------------------------------------ mlp
-def _mlp_forward(kernel, act, lora_linear, ks):
+def _mlp_forward(kernel, act, act_types, lora_linear, ks):
+    """``act_types``: the act_fn classes computing ``act``; a call finding another (act_fn
+    swapped after patching) runs the module's own forward."""
     def forward(self, x, *args, **kwargs):
         mods = self._modules
         ps = [proj_params(mods[n], lora_linear, False) for n in _arch.MLP_PROJ]
         ts = None
-        if None not in ps:
+        if None not in ps and type(mods.get("act_fn")) in act_types:
             ts = _call(x, args, kwargs, ps, _MLP_NAMES, [x] + [t for w, _, a, b, _, _ in ps for t in (w, a, b)])
         if ts is None:
             if not _compiling():
@@ -253,13 +255,19 @@ def _apply_mlp(model, p, mlps, lora_linear):
         p.skip(key, f"config.{p.arch.act_attr}={act_name!r}: the fused MLP computes silu or gelu_pytorch_tanh only")
         return
     free = [(n, m) for n, m in mlps if _free(m) and not p.is_replaced(m)]
+    # the activation the MLP calls, whatever the config names (a user may swap act_fn)
+    glu = "swiglu" if act == "silu" else "geglu"
+    swapped = [f"{n}: act_fn is {type(m._modules.get('act_fn')).__name__}, not the config's {act_name}"
+               for n, m in free if _arch.glu_of(m._modules.get("act_fn")) != glu]
+    free = [(n, m) for n, m in free if _arch.glu_of(m._modules.get("act_fn")) == glu]
     # the fused call computes down(act(gate(x)) * up(x)): trust that only in transformers' own code
-    why = [f"{n}: {type(m).__name__}.forward is not transformers' own" for n, m in free if not _hf_code(m)]
+    why = swapped + [f"{n}: {type(m).__name__}.forward is not transformers' own" for n, m in free if not _hf_code(m)]
     fit, bad = _split([(n, m) for n, m in free if _hf_code(m)], _arch.MLP_PROJ, lora_linear, bias_ok=False)
     why += bad
     kernel = _ready(p, key, fit)
     if kernel is not None:
-        fwd = _mlp_forward(kernel, act, lora_linear, p.stats.counter(key))
+        act_types = frozenset(type(m._modules["act_fn"]) for m in fit)
+        fwd = _mlp_forward(kernel, act, act_types, lora_linear, p.stats.counter(key))
         for mod in fit:
             p.replace_forward(mod, key, types.MethodType(fwd, mod))
     _skip_some(p, key, why, len(mlps), "LoRA MLPs")

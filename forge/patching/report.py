@@ -66,14 +66,15 @@ class Report:
     patched: bool
     mode: str | None = None
     kernels: dict = dataclasses.field(default_factory=dict)
+    note: str | None = None  # why an unpatched module is one forge would not patch
 
     def as_dict(self) -> dict:
         return {"model": self.model, "patched": self.patched, "mode": self.mode,
-                "kernels": {k: dataclasses.asdict(v) for k, v in self.kernels.items()}}
+                "kernels": {k: dataclasses.asdict(v) for k, v in self.kernels.items()}, "note": self.note}
 
     def table(self, calls: bool = True) -> str:
         if not self.patched:
-            return f"{self.model}: not patched by forge"
+            return f"{self.model}: not patched by forge" + (f" ({self.note})" if self.note else "")
         head = ["kernel", "backend", "modules", "min_elements"] + (["fused", "fallback"] if calls else [])
         rows, skips = [], []
         for k in self.kernels.values():
@@ -97,6 +98,14 @@ class Report:
 
 def _never() -> int:
     return defaults.NEVER
+
+
+def foreign(module) -> Report:
+    """The report of a module that is no model forge.patch takes (no Hugging Face
+    PreTrainedModel inside it): not patched, and why."""
+    return Report(type(module).__name__, False,
+                  note="not a Hugging Face PreTrainedModel, nor one wrapped by peft or torch.compile: "
+                       "forge patches only those")
 
 
 def build(root, state) -> Report:

@@ -39,6 +39,7 @@ REDUCTIONS = ("mean", "sum")
 
 def check(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",
           num_items_in_batch=None, softcap=None, label_smoothing=0.0, z_loss=0.0) -> None:
+    check_labels(labels)  # first: a wrong label dtype is named as such, whatever else is wrong
     _check.tensor("hidden", hidden, min_dim=2)
     _check.tensor("weight", weight, min_dim=2)
     if hidden.dim() != 2:
@@ -48,7 +49,6 @@ def check(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="me
     if weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has width {weight.shape[1]} but hidden has width {hidden.shape[1]}")
     _check.same_dtype("hidden", hidden, "weight", weight)
-    check_labels(labels)
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must have shape ({hidden.shape[0]},) to match hidden's rows, "
                          f"got {tuple(labels.shape)}")
@@ -85,9 +85,11 @@ def check(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="me
 
 
 def check_labels(labels) -> None:
-    """An int64 tensor, or LabelDtypeError (a TypeError and, as eager's, a RuntimeError). Eager
-    ``F.cross_entropy`` takes int64 and uint8 class indices and refuses int32 and the rest; uint8
-    is refused here too: it cannot hold a negative ignore_index, nor any LM's vocabulary."""
+    """An int64 tensor, or LabelDtypeError (a TypeError and, as eager's, a RuntimeError) naming
+    the dtype given: every other dtype, uint8 included (eager ``F.cross_entropy`` takes uint8
+    class indices, but uint8 cannot hold a negative ignore_index, nor any LM's vocabulary, and
+    Hugging Face's own label shift fails on it). Called first by :func:`check`, and by a patched
+    model's forward before the decoder runs."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype is not torch.int64:

@@ -11,8 +11,11 @@ Equivalent torch (``transformers``' ``apply_rotary_pos_emb`` with unsqueeze_dim=
 
 rotate_half is linear, R(x) = [-x2, x1], with transpose R^T(g) = [g2, -g1], so the backward is
 the same rotation with sin negated and its halves swapped: dx = g * cos + R^T(g * sin).
-cos and sin come from the model's rotary embedding (no gradient flows to them). Kernels use the
-full D-wide cos/sin rows, so they are exact for any cos/sin, not only duplicated halves.
+cos and sin come from the model's rotary embedding, and the kernels give them no gradient: a
+call whose cos or sin requires grad (with grad mode on) is refused (:func:`check_tables`) rather
+than computed with their gradient silently dropped; a patched model runs Hugging Face's own
+function for such a call. Kernels use the full D-wide cos/sin rows, so they are exact for any
+cos/sin, not only duplicated halves.
 """
 from __future__ import annotations
 
@@ -22,6 +25,13 @@ from . import _check
 
 
 def check(q, k, cos, sin, unsqueeze_dim: int = 1) -> None:
+    """The kernels' check: :func:`check_args`, and cos and sin asking no gradient."""
+    check_args(q, k, cos, sin, unsqueeze_dim)
+    check_tables(cos, sin)
+
+
+def check_args(q, k, cos, sin, unsqueeze_dim: int = 1) -> None:
+    """Types, shapes, devices and dtypes (what the reference needs too)."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _check.tensor(name, t)
     if q.dim() != 4 or k.dim() != 4:
@@ -41,13 +51,28 @@ def check(q, k, cos, sin, unsqueeze_dim: int = 1) -> None:
         raise ValueError(f"cos must be (B or 1, S, D) = ({b}, {s}, {d}), got {tuple(cos.shape)}")
 
 
+def tables_need_grad(cos, sin) -> bool:
+    """A gradient is asked of cos or sin: the kernels cannot give one."""
+    return (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled()
+
+
+def check_tables(cos, sin) -> None:
+    """cos and sin must not require grad (in grad mode): the kernels give them none. A few
+    attribute reads, so a backend's per-call fast path can afford it where it skips :func:`check`."""
+    if tables_need_grad(cos, sin):
+        which = "cos" if cos.requires_grad else "sin"
+        raise ValueError(f"rope: {which} requires grad, but forge's RoPE kernels give no gradient to cos or sin "
+                         "(only to q and k); pass cos.detach() and sin.detach(), or use Hugging Face's "
+                         "apply_rotary_pos_emb (forge.spec.rope.reference) where they must learn")
+
+
 def _rotate_half(x):
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 def reference(q, k, cos, sin, unsqueeze_dim: int = 1):
-    check(q, k, cos, sin, unsqueeze_dim)
+    check_args(q, k, cos, sin, unsqueeze_dim)  # (plain torch: cos and sin get their gradients)
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
