@@ -185,3 +185,18 @@ def test_backends_agree_llama8b(device):
     case["kwargs"].update(seed=D.seed(device), dropout_gate=0.05, dropout_up=0.05, dropout_down=0.05)
     _assert_agree("lora_mlp", case, BF16)
     _assert_agree("lora_o", o_case(O_GPU, 16, False, BF16, device, F32, 0.05), BF16)
+
+
+def test_triton_double_backward_is_refused(device):
+    # the Triton LoRA Functions give first derivatives only: a second backward says so
+    seed = D.seed(device)
+    o = o_case(((3,), 24, 16), 8, True, F32, device)
+    qkv = qkv_case(((3,), 24, 16, 8), 8, False, F32, device)
+    mlp = mlp_case(((3,), 24, 40), 8, "silu", F32, device)
+    for key, case in (("lora_o", o), ("lora_qkv", qkv), ("lora_mlp", mlp)):
+        t = {n: v.clone().requires_grad_(n == "x") for n, v in case["tensors"].items()}
+        outs = ops.get(key, "triton")(**t, **case["kwargs"], seed=seed)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        (gx,) = torch.autograd.grad(sum(o.square().sum() for o in outs), t["x"], create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            gx.sum().backward()
