@@ -91,8 +91,10 @@ def _dot(p, q, acc, DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, I
         p = p.to(ACC)
         q = q.to(ACC)
     if IEEE:  # fp32 models: full fp32 products, as cuBLAS does for eager, not tf32
-        return acc + tl.dot(p, q, input_precision="ieee")
-    return acc + tl.dot(p, q)
+        acc += tl.dot(p, q, input_precision="ieee")
+    else:
+        acc += tl.dot(p, q)
+    return acc
 
 
 @triton.jit
@@ -131,7 +133,7 @@ def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_
 def _dropped(x, row_keys, rk, k_col, thr, scale, DROP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr):
     """drop(x) for a (rows, BK) tile whose columns are ``rk``, rounded to DT as torch's product."""
     if DROP:
-        return cast(x.to(ACC) * _drop_factor(row_keys, _index_keys(rk, k_col), thr, scale, ACC), DT)
+        x = cast(x.to(ACC) * _drop_factor(row_keys, _index_keys(rk, k_col), thr, scale, ACC), DT)
     return x
 
 
