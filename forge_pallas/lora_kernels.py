@@ -179,22 +179,28 @@ def lora_add(base, bias, xa, b, *, col, scale):
         base, bias, xa, b, C.rows_operand(m))
 
 
-# xa (M, R): xa[:, off:off+r] = drop_slot(x) A_slot^T for each slot; x (M, K) read once for all
-def _lora_down_kernel(x_ref, a_ref, seed_ref, m_ref, o_ref, *, slots, rb):
+# part (P * M, R): part[p M + i, off:off+r] = drop_slot(x[i, cols of part p]) A_slot[:, cols of p]^T for
+# each slot; x (M, K) read once for all slots, its columns split in P parts of k_per_part (a run-time
+# operand: a few thousand rows make too few row blocks to keep the GPU's memory busy); the caller
+# adds the parts up
+def _lora_down_kernel(x_ref, a_ref, seed_ref, m_ref, kpp_ref, o_ref, *, slots, rb):
     m, kdim = C.read_rows(m_ref), x_ref.shape[1]
+    kpp = C.read_rows(kpp_ref)
     dt = x_ref.dtype
     acc = C.acc_dtype(dt)
-    i = pl.program_id(0)
+    i, part = pl.program_id(0), pl.program_id(1)
     rows = i * DOWN_BLOCK_M + jnp.arange(DOWN_BLOCK_M)
     rmask, rs = rows < m, pl.ds(i * DOWN_BLOCK_M, DOWN_BLOCK_M)
     keys = _keys(seed_ref, slots, rows)
     kr = jnp.arange(rb)
     starts = [_at(slot[0], _zero()) for slot in slots]
+    k_start = part * kpp
+    k_end = jnp.minimum(k_start + kpp, kdim)
 
     def body(kb, accs):
-        kb = kb.astype(jnp.int32)
-        cols = kb * DOWN_BLOCK_K + jnp.arange(DOWN_BLOCK_K)
-        cmask, ks = cols < kdim, pl.ds(kb * DOWN_BLOCK_K, DOWN_BLOCK_K)
+        k0 = k_start + kb.astype(jnp.int32) * DOWN_BLOCK_K
+        cols = k0 + jnp.arange(DOWN_BLOCK_K)
+        cmask, ks = cols < k_end, pl.ds(k0, DOWN_BLOCK_K)
         x = C.load(x_ref.at[rs, ks], mask=rmask[:, None] & cmask[None, :], other=0.0)  # (BM, BK)
         new = []
         for slot, key, a_acc, start in zip(slots, keys, accs, starts):
@@ -205,18 +211,28 @@ def _lora_down_kernel(x_ref, a_ref, seed_ref, m_ref, o_ref, *, slots, rb):
         return tuple(new)
 
     init = tuple(jnp.zeros((DOWN_BLOCK_M, rb), acc) for _ in slots)
-    accs = lax.fori_loop(C.i32(0), C.i32(C.cdiv(kdim, DOWN_BLOCK_K)), body, init)
+    n_blocks = jnp.maximum(k_end - k_start + (DOWN_BLOCK_K - 1), 0) // DOWN_BLOCK_K
+    accs = lax.fori_loop(C.i32(0), n_blocks.astype(jnp.int32), body, init)
+    out_rows = pl.ds(part * m + i * DOWN_BLOCK_M, DOWN_BLOCK_M)
     for (_, r, *_), a_acc, start in zip(slots, accs, starts):
-        C.store(o_ref.at[rs, pl.ds(start, rb)], a_acc.astype(o_ref.dtype), mask=rmask[:, None] & (kr < r)[None, :])
+        C.store(o_ref.at[out_rows, pl.ds(start, rb)], a_acc.astype(o_ref.dtype),
+                mask=rmask[:, None] & (kr < r)[None, :])
 
 
 def lora_down(x, a_cat, seed, *, slots):
     """(M, R) in x's dtype: each slot's drop(x) A^T, from the slots' A stacked in a_cat (R, K)."""
-    m, _ = x.shape
-    rb = rank_block(max(s[1] for s in slots))
-    kern = functools.partial(_lora_down_kernel, slots=tuple(slots), rb=rb)
-    return _launch(kern, name="lora_down", grid=(C.row_programs(C.cdiv(m, DOWN_BLOCK_M)),),
-                   out_shape=jax.ShapeDtypeStruct((m, a_cat.shape[0]), x.dtype))(x, a_cat, seed, C.rows_operand(m))
+    m, k = x.shape
+    rtot = a_cat.shape[0]
+    acc = C.acc_dtype(x.dtype)
+    row_blocks, col_blocks = C.cdiv(m, DOWN_BLOCK_M), C.cdiv(k, DOWN_BLOCK_K)
+    parts = max(1, min(col_blocks, C.cdiv(2 * C.num_cores(), row_blocks)))
+    kpp = C.cdiv(C.cdiv(k, parts), DOWN_BLOCK_K) * DOWN_BLOCK_K
+    parts = C.row_programs(C.cdiv(k, kpp))  # (two at least: see row_programs; a spare part adds zeros)
+    kern = functools.partial(_lora_down_kernel, slots=tuple(slots), rb=rank_block(max(s[1] for s in slots)))
+    part = _launch(kern, name="lora_down", grid=(C.row_programs(row_blocks), parts),
+                   out_shape=jax.ShapeDtypeStruct((parts * m, rtot), acc))(
+        x, a_cat, seed, C.rows_operand(m), C.rows_operand(kpp))
+    return part.reshape(parts, m, rtot).sum(axis=0).astype(x.dtype)
 
 
 # part (P * R, K): part[p R + off + j, k] = sum over the rows of part p of dxa[:, off + j] drop(x)[:, k]

@@ -18,7 +18,7 @@ weights and biases are frozen.
 Dropout (peft's lora_dropout) is drawn inside the kernels from the call's seed, each projection
 its own stream (forge/spec/lora_dropout.py). Without dropout the adapters' down-projection and
 its gradients are cuBLAS products over all adapters reading x at once; with it, kernels that
-read x once, drop each adapter's copy in registers and multiply (lora_kernels.down_, grad_a,
+read x once, drop each adapter's copy in registers and multiply (lora_kernels.down, grad_a,
 add_dx_).
 """
 from __future__ import annotations

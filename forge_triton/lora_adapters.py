@@ -16,7 +16,6 @@ import torch
 
 from forge.spec import lora_dropout as drop_spec
 
-from . import _common
 from . import lora_kernels as K
 
 
@@ -76,8 +75,7 @@ def down(x2, ad, seed):
     a_cat = in_dt(ad.a[0] if len(ad) == 1 else torch.cat(ad.a), dt)
     if not ad.drop:
         return x2 @ a_cat.t(), a_cat
-    xa = _common.empty((x2.shape[0], a_cat.shape[0]), dt, x2.device)
-    return K.down_(x2, a_cat, xa, seed, ad.ranks, ad.p, ad.salt), a_cat
+    return K.down(x2, a_cat, seed, ad.ranks, ad.p, ad.salt), a_cat
 
 
 def grads_a(x2, dxa, ad, seed, ldt):

@@ -91,8 +91,10 @@ def _dot(p, q, acc, DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, I
         p = p.to(ACC)
         q = q.to(ACC)
     if IEEE:  # fp32 models: full fp32 products, as cuBLAS does for eager, not tf32
-        return acc + tl.dot(p, q, input_precision="ieee")
-    return acc + tl.dot(p, q)
+        acc += tl.dot(p, q, input_precision="ieee")
+    else:
+        acc += tl.dot(p, q)
+    return acc
 
 
 @triton.jit
@@ -131,7 +133,7 @@ def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_
 def _dropped(x, row_keys, rk, k_col, thr, scale, DROP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr):
     """drop(x) for a (rows, BK) tile whose columns are ``rk``, rounded to DT as torch's product."""
     if DROP:
-        return cast(x.to(ACC) * _drop_factor(row_keys, _index_keys(rk, k_col), thr, scale, ACC), DT)
+        x = cast(x.to(ACC) * _drop_factor(row_keys, _index_keys(rk, k_col), thr, scale, ACC), DT)
     return x
 
 
@@ -145,14 +147,20 @@ def _down_step(acc, xd, a_ptr, rr, rk, r, K, s_ar, s_ak,
 
 
 # xa (M, R): xa[:, off_i:off_i + r_i] = drop_i(x) A_i^T for each slot i < NA (off_0 = 0,
-# off_1 = r_0, off_2 = r_0 + r_1), x (M, K) read once for all slots, A (R, K) the slots' A stacked
+# off_1 = r_0, off_2 = r_0 + r_1), x (M, K) read once for all slots, A (R, K) the slots' A stacked.
+# The columns of x may be split in parts of k_per_part (a few thousand rows make too few row
+# blocks to keep the GPU's memory busy): each part then writes its partial sums (ACC) to its
+# slice of xa_ptr, (parts, M, R), which the caller adds up.
 @triton.jit
-def _lora_down_kernel(x_ptr, a_ptr, xa_ptr, seed_ptr, M, K, s_xm, s_xk, s_ar, s_ak, s_om,
+def _lora_down_kernel(x_ptr, a_ptr, xa_ptr, seed_ptr, M, K, k_per_part, s_xm, s_xk, s_ar, s_ak, s_om, s_op,
                       r0, r1, r2, salt0, salt1, salt2, thr0, thr1, thr2, sc0, sc1, sc2,
                       NA: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DT: tl.constexpr,
                       ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    part = tl.program_id(1).to(tl.int64)
+    k_start = part * k_per_part
+    k_end = tl.minimum(k_start + k_per_part, K)
     rr = tl.arange(0, BLOCK_R)
     acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
     acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
@@ -161,9 +169,9 @@ def _lora_down_kernel(x_ptr, a_ptr, xa_ptr, seed_ptr, M, K, s_xm, s_xk, s_ar, s_
     kr1, kc1 = _stream(seed_ptr, salt1)
     kr2, kc2 = _stream(seed_ptr, salt2)
     rw0, rw1, rw2 = _index_keys(rm, kr0), _index_keys(rm, kr1), _index_keys(rm, kr2)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :] * s_xk, mask=(rm[:, None] < M) & (rk[None, :] < K),
+        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :] * s_xk, mask=(rm[:, None] < M) & (rk[None, :] < k_end),
                     other=0.0)  # (BM, BK)
         acc0 = _down_step(acc0, _dropped(x, rw0, rk, kc0, thr0, sc0, D0, DT, ACC), a_ptr, rr, rk, r0, K, s_ar, s_ak,
                           DT, ACC, UPCAST, IEEE)
@@ -174,7 +182,7 @@ def _lora_down_kernel(x_ptr, a_ptr, xa_ptr, seed_ptr, M, K, s_xm, s_xk, s_ar, s_
             acc2 = _down_step(acc2, _dropped(x, rw2, rk, kc2, thr2, sc2, D2, DT, ACC), a_ptr + (r0 + r1) * s_ar, rr,
                               rk, r2, K, s_ar, s_ak, DT, ACC, UPCAST, IEEE)
     row = rm[:, None] < M
-    out = xa_ptr + rm[:, None] * s_om + rr[None, :]
+    out = xa_ptr + part * s_op + rm[:, None] * s_om + rr[None, :]
     odt = xa_ptr.dtype.element_ty
     tl.store(out, cast(acc0, odt), mask=row & (rr[None, :] < r0))
     if NA > 1:
@@ -381,17 +389,30 @@ def _slots(ranks, ps, salts):
     return (*r, *words, *thr, *sc), dict(NA=n, **flags)
 
 
-def down_(x2, a_cat, xa, seed, ranks, ps, salts):
-    """xa (M, R) = [drop_i(x) A_i^T]_i for the slots' A stacked in a_cat (R, K), in place."""
+def col_parts(m: int, k: int, device) -> int:
+    """Parts the down-projection splits x's columns into: about two programs per SM."""
+    row_blocks, col_blocks = _common.cdiv(m, DOWN_BLOCK_M), _common.cdiv(k, DOWN_BLOCK_K)
+    return max(1, min(col_blocks, _common.cdiv(2 * _common.num_sms(device), row_blocks)))
+
+
+def down(x2, a_cat, seed, ranks, ps, salts):
+    """(M, R) in x's dtype: [drop_i(x) A_i^T]_i for the slots' A stacked in a_cat (R, K)."""
     m, k = x2.shape
+    dt = x2.dtype
+    rtot = a_cat.shape[0]
     if not m:
-        return xa
+        return _common.empty((m, rtot), dt, x2.device)
+    parts = col_parts(m, k, x2.device)
+    k_per_part = _common.cdiv(_common.cdiv(k, parts), DOWN_BLOCK_K) * DOWN_BLOCK_K
+    parts = _common.cdiv(k, k_per_part)
+    # one part writes xa itself; several write their sums in ACC, added up below
+    out = _common.empty((parts, m, rtot), dt if parts == 1 else _common.acc_torch(dt), x2.device)
     args, flags = _slots(ranks, ps, salts)
-    br = _block_r_whole(max(ranks))
-    _LORA_DOWN[(_common.cdiv(m, DOWN_BLOCK_M),)](
-        x2, a_cat, xa, seed, m, k, x2.stride(0), x2.stride(1), a_cat.stride(0), a_cat.stride(1), xa.stride(0),
-        *args, **flags, BLOCK_M=DOWN_BLOCK_M, BLOCK_K=DOWN_BLOCK_K, BLOCK_R=br, **_consts(x2.dtype), num_warps=4)
-    return xa
+    _LORA_DOWN[(_common.cdiv(m, DOWN_BLOCK_M), parts)](
+        x2, a_cat, out, seed, m, k, k_per_part, x2.stride(0), x2.stride(1), a_cat.stride(0), a_cat.stride(1),
+        out.stride(1), out.stride(0), *args, **flags, BLOCK_M=DOWN_BLOCK_M, BLOCK_K=DOWN_BLOCK_K,
+        BLOCK_R=_block_r_whole(max(ranks)), **_consts(dt), num_warps=4)
+    return out[0] if parts == 1 else out.sum(0, dtype=out.dtype).to(dt)
 
 
 def grad_a(x2, dxa, seed, ranks, ps, salts):

@@ -172,3 +172,31 @@ def test_partial_adapter_errors(backend, device):
         qkv(**{**t, "a_k": None, "b_k": None}, **kw, seed=D.seed(device), dropout_k=0.1)
     with pytest.raises(TypeError, match="a_q is torch.float32 but a_v is torch.float64"):
         qkv(**{**t, "a_k": None, "b_k": None, "a_v": t["a_v"].double(), "b_v": t["b_v"].double()}, **kw)
+
+
+@pytest.mark.gpu
+def test_backends_agree_llama8b(device):
+    # Triton against Pallas (natively launched) at the Llama-3.1-8B widths, 2048 tokens, as the
+    # issue's step runs them: bf16, peft's fp32 adapters, lora_dropout 0.05 on every projection
+    case = qkv_case(LLAMA8B["qkv"], 16, False, BF16, device, adapter_dtype=F32)
+    case["kwargs"].update(seed=D.seed(device), dropout_q=0.05, dropout_k=0.05, dropout_v=0.05)
+    _assert_agree("lora_qkv", case, BF16)
+    case = mlp_case(LLAMA8B["mlp"], 16, "silu", BF16, device, adapter_dtype=F32)
+    case["kwargs"].update(seed=D.seed(device), dropout_gate=0.05, dropout_up=0.05, dropout_down=0.05)
+    _assert_agree("lora_mlp", case, BF16)
+    _assert_agree("lora_o", o_case(O_GPU, 16, False, BF16, device, F32, 0.05), BF16)
+
+
+def test_triton_double_backward_is_refused(device):
+    # the Triton LoRA Functions give first derivatives only: a second backward says so
+    seed = D.seed(device)
+    o = o_case(((3,), 24, 16), 8, True, F32, device)
+    qkv = qkv_case(((3,), 24, 16, 8), 8, False, F32, device)
+    mlp = mlp_case(((3,), 24, 40), 8, "silu", F32, device)
+    for key, case in (("lora_o", o), ("lora_qkv", qkv), ("lora_mlp", mlp)):
+        t = {n: v.clone().requires_grad_(n == "x") for n, v in case["tensors"].items()}
+        outs = ops.get(key, "triton")(**t, **case["kwargs"], seed=seed)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        (gx,) = torch.autograd.grad(sum(o.square().sum() for o in outs), t["x"], create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            gx.sum().backward()

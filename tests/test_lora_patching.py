@@ -263,7 +263,10 @@ def test_lora_dropout_matches_the_reference(model_type, backend, device, monkeyp
     assert len(seeds) == 3 * n and len({int(t) for t in seeds}) == 3 * n  # a fresh seed per call and layer
     assert_like_eager(patched, e, r, pm, ids)
     assert torch.equal(_seeded_step(pm, ids)[0], patched[0])  # torch.manual_seed reproduces the step
-    assert not torch.equal(_seeded_step(pm, ids, seed=6)[0], patched[0])  # and the masks matter
+    # the masks matter: without them the reference's loss is off by far more than the bound
+    off = step(ref.eval(), ids)[0]
+    k = max(pm.config.vocab_size, pm.config.intermediate_size, ids.numel())
+    assert tolerance.rel_err(off, r[0]) > 10 * tolerance.bound(tolerance.rel_err(e[0], r[0]), torch.float32, k)
     forge.unpatch(pm)
 
 

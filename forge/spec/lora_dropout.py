@@ -79,10 +79,13 @@ def signed(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
+SEED_BITS = 62  # a range whose width fits int64 (compiled random-number code subtracts the bounds)
+
+
 def seed(device) -> torch.Tensor:
-    """One int64 seed, shape (1,), drawn from torch's generator for ``device`` on the device
-    itself (a CUDA graph capture records the draw: each replay draws anew)."""
-    return torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
+    """One int64 seed in [0, 2**62), shape (1,), drawn from torch's generator for ``device`` on
+    the device itself (a CUDA graph capture records the draw: each replay draws anew)."""
+    return torch.randint(0, 1 << SEED_BITS, (1,), dtype=torch.int64, device=device)
 
 
 def release() -> None:
