@@ -16,12 +16,13 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import _common as bc  # noqa: E402
 from forge import ops  # noqa: E402
 
 SHAPES = "4096x4096x128256,8192x4096x128256,16384x4096x128256,4096x3584x152064,4096x896x151936"
@@ -56,7 +57,7 @@ def main():
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--backends", default="triton,pallas")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    bc.add_out_argument(p)
     a = p.parse_args()
     rows = []
     for shp in a.shapes.split(","):
@@ -109,7 +110,7 @@ def main():
             print(json.dumps(row), flush=True)
         del hid, w, y, hd, wd
         torch.cuda.empty_cache()
-    Path(a.out, "flce_strategies.json").write_text(json.dumps(rows, indent=1))
+    bc.write_results(a.out, "flce_strategies", rows, {"args": vars(a)})
     print(f"\n{'shape':22} {'variant':22} {'ms':>9} {'extra MiB':>10} {'x eager':>8}")
     for r in rows:
         print(f"{r['shape']:22} {r['variant']:22} {r['ms']:9.2f} {r['extra_MiB']:10.1f} {r['vs_eager'] or 0:8.2f}")
