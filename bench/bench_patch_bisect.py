@@ -250,7 +250,7 @@ def main(argv=None):
     glu = "geglu" if PRESETS[a.model]["model_type"].startswith("gemma") else "swiglu"
     keys = ["rmsnorm", glu, "rope"] + (["fused_linear_ce"] if a.mode == "train" else [])
     if a.lora and a.mode == "train":
-        keys += ["lora_qkv", "lora_mlp"]
+        keys += ["lora_qkv", "lora_o", "lora_mlp"]
     base = "peft (eager)" if a.lora else "eager"
     # (label, kernels, patch keywords); kernels False: unpatched, a list: those alone, None: all
     def every(kw, backend):

@@ -20,7 +20,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
     """Swap forge's kernels into ``model`` (a qwen2/qwen3/gemma/gemma2/llama/mistral
     ``*ForCausalLM``, bare or wrapped by peft or in a ``.model``), per instance; returns it.
 
-    mode: "train" or "infer" (declines fused_linear_ce, lora_qkv, lora_mlp).
+    mode: "train" or "infer" (declines fused_linear_ce, lora_qkv, lora_o, lora_mlp).
     backend: "auto" (per kernel, the first backend that can run it on this model: triton then
         pallas with a CUDA device, pallas then triton without one), "triton", "pallas", or a dict
         kernel key -> backend; a named backend that cannot run this model here (no CUDA for

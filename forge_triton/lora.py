@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from forge.spec import lora_mlp as mlp_spec
 from forge.spec import lora_o as o_spec
 from forge.spec import lora_qkv as qkv_spec
+from forge.spec._check import no_double_backward
 
 from . import _common, _ops
 from . import lora_adapters as A
@@ -125,7 +125,7 @@ class LoraQKVFunction(torch.autograd.Function):
         return outs
 
     @staticmethod
-    @once_differentiable  # the Triton kernels are not differentiable themselves
+    @no_double_backward("LoRA")  # the Triton kernels are not differentiable themselves
     def backward(ctx, gq, gk, gv):
         saved = ctx.saved_tensors
         n = len(qkv_spec.TENSORS)
@@ -259,7 +259,7 @@ class LoraMLPFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # the Triton kernels are not differentiable themselves
+    @no_double_backward("LoRA")  # the Triton kernels are not differentiable themselves
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         n = len(mlp_spec.TENSORS)
@@ -341,7 +341,7 @@ class LoraOFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # the Triton kernels are not differentiable themselves
+    @no_double_backward("LoRA")  # the Triton kernels are not differentiable themselves
     def backward(ctx, g):
         saved = ctx.saved_tensors
         n = len(o_spec.TENSORS)
