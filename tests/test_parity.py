@@ -22,7 +22,7 @@ from forge.spec import rope as rope_spec
 from forge.spec import shapes
 from forge.spec import swiglu as swiglu_spec
 from forge.spec import tolerance
-from oracle import check_op
+from oracle import check_op, need_backend
 
 BACKENDS = list(ops.BACKENDS)  # from the registry (forge.ops.BACKENDS_TABLE)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -295,3 +295,19 @@ def test_gated_mlp_bad_input(backend, device):
         ops.get("gated_mlp", backend)(x, wg, wu.double(), wd)
     with pytest.raises(ValueError, match="act must be one of"):
         ops.get("gated_mlp", backend)(x, wg, wu, wd, act="relu")
+
+
+@pytest.mark.parametrize("key,args,name", [
+    ("rmsnorm", lambda t: (t, None, 1e-6), "weight"),
+    ("swiglu", lambda t: (t, 3), "up"),
+    ("geglu", lambda t: ([1.0], t), "gate"),
+    ("rope", lambda t: (t.view(1, 1, 4, 8), t.view(1, 1, 4, 8), "cos", t.view(1, 4, 8)), "cos"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_tensor_argument_is_named(backend, key, args, name, device):
+    # the spec's TypeError naming the argument, on both backends (Pallas' entry once read
+    # weight.shape first: AttributeError on None)
+    need_backend(backend)
+    t = torch.randn(4, 8, device=device)
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+        ops.get(key, backend)(*args(t))
