@@ -2,7 +2,8 @@
 
 The full (N, V) logits never exist. Two strategies, picked by ``spec.row_chunk``:
 
-Vocabulary tiles (the default for short batches): the vocabulary is walked in tiles of Vc
+Vocabulary tiles (the default without gradients, or for a vocabulary too wide for row chunks of
+ROW_CHUNK_MIN rows; ``tile_vocab=`` forces them): the vocabulary is walked in tiles of Vc
 columns, all rows at once, so every matmul is large even at hidden 896:
 
   pass 1, per tile: z = h @ W[tile]^T in fp32 (cuBLAS); ``_flce_stats_kernel`` folds the tile
@@ -18,10 +19,11 @@ columns, all rows at once, so every matmul is large even at hidden 896:
   the logits. The host launches about six calls per tile, so the tiles are as wide as the
   memory budget allows: where a step is host-bound, the tile count is its cost.
 
-Row chunks (``_flce_rows``; the default once a chunk of N / 10 rows has at least 1024 rows):
+Row chunks (``_flce_rows``; the default wherever gradients are wanted, C rows as 1 GiB of fp32
+logits holds, ``spec.row_chunk``):
   per chunk of C rows, all V columns: z = h[chunk] @ W^T, both kernels on whole rows, dL/dz
   written over z's own bytes, grad_h[chunk] = dz @ W and grad_W += dz^T @ h[chunk]. Eager's
-  three matmuls; grad_W is rounded once per chunk (about ten times) instead of once.
+  three matmuls; grad_W is rounded once per chunk (two at 4096 x 128256) instead of once.
 
 The loss is a scalar, so the gradients are computed in the forward and the backward only
 scales them by grad_output, in place: the autograd node is the op layer's
@@ -372,7 +374,7 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
     dz @ W (one write) and grad_W += dz^T @ h[chunk] (cuBLAS beta = 1 into the grad_W buffer).
     Three matmuls, eager's count, against the vocabulary tiles' four; the price is one rounding
     of the low-precision grad_W per chunk (one per tile there) and a read + write of grad_W per
-    chunk, which is why spec.row_chunk takes this path only for chunks of many rows."""
+    chunk after the first, which is why spec.row_chunk makes the chunks as tall as its budget allows."""
     n, hd = hidden.shape
     v = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
