@@ -111,27 +111,34 @@ def qkv_bwd(inputs, res, grads, needs, *, scales, ps):
         return out
 
 
-def _saved(names, tensors, keep):
-    return tuple(t if n in keep else None for n, t in zip(names, tensors))
+_KEEP: dict = {}
 
 
-class LoraQKVFunction(torch.autograd.Function):
+class KernelFunction(torch.autograd.Function):
+    """The eager autograd node of every Triton LoRA kernel, built from its KernelDef: the forward
+    and backward the op layer runs under torch.compile (``kdef.fwd`` / ``kdef.bwd``, static
+    settings as keywords), the inputs named in ``kdef.save`` kept for the backward."""
+
     @staticmethod
-    def forward(ctx, scales, ps, *tensors):
-        outs, res = qkv_fwd(*tensors, scales=scales, ps=ps)
-        ctx.save_for_backward(*_saved(qkv_spec.TENSORS, tensors, _QKV_SAVE), *res)
-        ctx.scales, ctx.ps = scales, ps
-        ctx.set_materialize_grads(False)  # k or v may be unused; skip their terms
-        return outs
+    def forward(ctx, kdef, static, *tensors):
+        outs, res = kdef.fwd(*tensors, **static)
+        keep = _KEEP.get(kdef)
+        if keep is None:  # per input, whether the backward reads it (decided once per kernel)
+            keep = _KEEP[kdef] = tuple(kdef.save is None or n in kdef.save for n in kdef.names)
+        ctx.save_for_backward(*(t if k else None for k, t in zip(keep, tensors)), *res)
+        ctx.kdef, ctx.static = kdef, static
+        if kdef.n_out > 1:  # lora_qkv: k or v may be unused, their terms skipped (None gradients)
+            ctx.set_materialize_grads(False)
+        return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
     @no_double_backward("LoRA")  # the Triton kernels are not differentiable themselves
-    def backward(ctx, gq, gk, gv):
-        saved = ctx.saved_tensors
-        n = len(qkv_spec.TENSORS)
-        needs = dict(zip(qkv_spec.TENSORS, ctx.needs_input_grad[2:]))
-        out = qkv_bwd(saved[:n], saved[n:], (gq, gk, gv), needs, scales=ctx.scales, ps=ctx.ps)
-        return (None, None, *(out.get(name) for name in qkv_spec.TENSORS))
+    def backward(ctx, *grads):
+        kdef, saved = ctx.kdef, ctx.saved_tensors
+        n = len(kdef.names)
+        needs = dict(zip(kdef.names, ctx.needs_input_grad[2:]))
+        out = kdef.bwd(saved[:n], saved[n:], grads, needs, **ctx.static)
+        return (None, None, *(out.get(name) for name in kdef.names))
 
 
 _QKV_SAVE = frozenset(qkv_spec.TENSORS) - {f"bias_{p}" for p in qkv_spec.PROJ}
@@ -168,7 +175,7 @@ def lora_qkv(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, 
     tensors = (x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, seed if any(ps) else None)
     if compiling:
         return _ops.call(QKV, *tensors, scales=scales, ps=ps)
-    return LoraQKVFunction.apply(scales, ps, *tensors)
+    return KernelFunction.apply(QKV, dict(scales=scales, ps=ps), *tensors)
 
 
 # ---------------------------------------------------------------------------------------- mlp
@@ -250,24 +257,6 @@ def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
         return out
 
 
-class LoraMLPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scales, gelu, ps, *tensors):
-        (y,), res = mlp_fwd(*tensors, scales=scales, gelu=gelu, ps=ps)
-        ctx.save_for_backward(*tensors, *res)
-        ctx.scales, ctx.gelu, ctx.ps = scales, gelu, ps
-        return y
-
-    @staticmethod
-    @no_double_backward("LoRA")  # the Triton kernels are not differentiable themselves
-    def backward(ctx, dy):
-        saved = ctx.saved_tensors
-        n = len(mlp_spec.TENSORS)
-        needs = dict(zip(mlp_spec.TENSORS, ctx.needs_input_grad[3:]))
-        out = mlp_bwd(saved[:n], saved[n:], (dy,), needs, scales=ctx.scales, gelu=ctx.gelu, ps=ctx.ps)
-        return (None, None, None, *(out.get(name) for name in mlp_spec.TENSORS))
-
-
 MLP = _ops.register(_ops.KernelDef("lora_mlp", mlp_fwd, mlp_bwd, names=mlp_spec.TENSORS, diff=mlp_spec.TRAINABLE,
                                    n_out=1))
 
@@ -297,7 +286,7 @@ def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down
     gelu = act == "gelu_tanh"
     if compiling:
         return _ops.call(MLP, *tensors, scales=scales, gelu=gelu, ps=ps)[0]
-    return LoraMLPFunction.apply(scales, gelu, ps, *tensors)
+    return KernelFunction.apply(MLP, dict(scales=scales, gelu=gelu, ps=ps), *tensors)
 
 
 # ---------------------------------------------------------------------------------------- o
@@ -332,24 +321,6 @@ def o_bwd(inputs, res, grads, needs, *, scale, p):
         return out
 
 
-class LoraOFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scale, p, *tensors):
-        (y,), res = o_fwd(*tensors, scale=scale, p=p)
-        ctx.save_for_backward(*_saved(o_spec.TENSORS, tensors, _O_SAVE), *res)
-        ctx.scale, ctx.p = scale, p
-        return y
-
-    @staticmethod
-    @no_double_backward("LoRA")  # the Triton kernels are not differentiable themselves
-    def backward(ctx, g):
-        saved = ctx.saved_tensors
-        n = len(o_spec.TENSORS)
-        needs = dict(zip(o_spec.TENSORS, ctx.needs_input_grad[2:]))
-        out = o_bwd(saved[:n], saved[n:], (g,), needs, scale=ctx.scale, p=ctx.p)
-        return (None, None, *(out.get(name) for name in o_spec.TENSORS))
-
-
 _O_SAVE = frozenset(o_spec.TENSORS) - {"bias"}
 O = _ops.register(_ops.KernelDef("lora_o", o_fwd, o_bwd, names=o_spec.TENSORS, diff=o_spec.TRAINABLE, n_out=1,
                                  save=tuple(n for n in o_spec.TENSORS if n in _O_SAVE)))
@@ -370,4 +341,4 @@ def lora_o(x, w, bias, a, b, *, scale, seed=None, dropout=0.0):
     tensors = (x, w, bias, a, b, seed if p else None)
     if compiling:
         return _ops.call(O, *tensors, scale=float(scale), p=p)[0]
-    return LoraOFunction.apply(float(scale), p, *tensors)
+    return KernelFunction.apply(O, dict(scale=float(scale), p=p), *tensors)
