@@ -49,7 +49,10 @@ def checked(sig, check, *args, **kwargs) -> None:
 def _tsig(*ts) -> tuple:
     """The part of a call signature a tensor argument gives (shape, dtype, device); a non-tensor
     gives its type, so the signature is new and the spec's check names the argument."""
-    return tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in ts)
+    try:  # (every call: the common case in one list comprehension)
+        return tuple([(t.shape, t.dtype, t.device) for t in ts])
+    except AttributeError:
+        return tuple([(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in ts])
 
 
 _WANT = "cpu" if runtime.interpret() else "cuda"  # where the kernels take tensors (fixed per process)

@@ -103,8 +103,9 @@ def rope_apply(q, k, cos, sin, backward: bool, out_dtype=None):
     if sc != ss:
         cos, sin = cos.contiguous(), sin.contiguous()
         sc = cos.stride()
-    if out_dtype is None:
-        out_dtype = torch.promote_types(q.dtype, cos.dtype)
+    if out_dtype is None:  # (the common case, one dtype, without a promotion call)
+        out_dtype = q.dtype if cos.dtype is q.dtype else torch.promote_types(q.dtype, cos.dtype)
+    wide = out_dtype if out_dtype is q.dtype else torch.promote_types(q.dtype, out_dtype)
     qo, ko = _out_like(q, out_dtype), _out_like(k, out_dtype)
     b, hq, s, d = q.shape
     hk = k.shape[1]
@@ -118,7 +119,7 @@ def rope_apply(q, k, cos, sin, backward: bool, out_dtype=None):
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
         0 if cos.shape[0] == 1 else sc[0], sc[1], s, hq, hk, half,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
-        ACC=_common.acc(torch.promote_types(q.dtype, out_dtype)), num_warps=warps,
+        ACC=_common.acc(wide), num_warps=warps,
     )
     return qo, ko
 
