@@ -26,11 +26,20 @@ from . import _common, _launch
 from ._common import cast  # rounds bf16 to nearest even in the interpreter too
 from .glu import _act_and_grad
 
-BLOCK_M = 64
-BLOCK_N = 128
-DOWN_BLOCK_M = 32  # the rank-r products over a whole row: more programs at a few thousand rows
-DOWN_BLOCK_K = 64
 SLOTS = 3
+
+# Launch settings per kernel: the tile kernels (add, dx, glu_fwd, glu_bwd) as (BLOCK_M, BLOCK_N,
+# num_warps); the rank-r reductions over a row (down, grad_a) as (BLOCK_M, BLOCK_K, num_warps,
+# programs per SM they split their work to fill). Module data, so that
+# bench/diagnostics/tune_lora_kernels.py can time alternatives at the 8B shapes.
+CFG = {  # chosen by that diagnostic on the H200 at 4096 rows (docs/performance.md has the table)
+    "add": (32, 128, 4),
+    "dx": (32, 128, 4),
+    "glu_fwd": (32, 128, 4),
+    "glu_bwd": (32, 64, 8),
+    "down": (32, 128, 4, 4),
+    "grad_a": (64, 128, 4, 4),
+}
 
 
 def _block_r(r) -> int:
@@ -360,8 +369,10 @@ def _consts_of(dt: torch.dtype) -> dict:
 _consts = functools.lru_cache(maxsize=16)(_consts_of)  # the constexpr keywords of products in ``dt``
 
 
-def _grid(m, n, bm=BLOCK_M, bn=BLOCK_N):
-    return (_common.cdiv(m, bm), _common.cdiv(n, bn))
+def _tiles(name, m, n):
+    """(grid, launch keywords) of tile kernel ``name`` over an (m, n) output."""
+    bm, bn, warps = CFG[name]
+    return (_common.cdiv(m, bm), _common.cdiv(n, bn)), dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
 
 
 def lora_add_(out, p, q, scale: float):
@@ -369,9 +380,10 @@ def lora_add_(out, p, q, scale: float):
     out's dtype)."""
     m, n = out.shape
     if m and n:
-        _LORA_ADD[_grid(m, n)](out, p, q, m, n, p.shape[1], float(scale), out.stride(0), out.stride(1),
-                               p.stride(0), p.stride(1), q.stride(0), q.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                               BLOCK_K=_block_r(p.shape[1]), **_consts(out.dtype), num_warps=4)
+        grid, launch = _tiles("add", m, n)
+        _LORA_ADD[grid](out, p, q, m, n, p.shape[1], float(scale), out.stride(0), out.stride(1),
+                        p.stride(0), p.stride(1), q.stride(0), q.stride(1), BLOCK_K=_block_r(p.shape[1]),
+                        **_consts(out.dtype), **launch)
     return out
 
 
@@ -390,9 +402,10 @@ def _slots(ranks, ps, salts):
 
 
 def col_parts(m: int, k: int, device) -> int:
-    """Parts the down-projection splits x's columns into: about two programs per SM."""
-    row_blocks, col_blocks = _common.cdiv(m, DOWN_BLOCK_M), _common.cdiv(k, DOWN_BLOCK_K)
-    return max(1, min(col_blocks, _common.cdiv(2 * _common.num_sms(device), row_blocks)))
+    """Parts the down-projection splits x's columns into: CFG["down"]'s programs per SM."""
+    bm, bk, _, per_sm = CFG["down"]
+    row_blocks, col_blocks = _common.cdiv(m, bm), _common.cdiv(k, bk)
+    return max(1, min(col_blocks, _common.cdiv(per_sm * _common.num_sms(device), row_blocks)))
 
 
 def down(x2, a_cat, seed, ranks, ps, salts):
@@ -402,16 +415,17 @@ def down(x2, a_cat, seed, ranks, ps, salts):
     rtot = a_cat.shape[0]
     if not m:
         return _common.empty((m, rtot), dt, x2.device)
+    bm, bk, warps, _ = CFG["down"]
     parts = col_parts(m, k, x2.device)
-    k_per_part = _common.cdiv(_common.cdiv(k, parts), DOWN_BLOCK_K) * DOWN_BLOCK_K
+    k_per_part = _common.cdiv(_common.cdiv(k, parts), bk) * bk
     parts = _common.cdiv(k, k_per_part)
     # one part writes xa itself; several write their sums in ACC, added up below
     out = _common.empty((parts, m, rtot), dt if parts == 1 else _common.acc_torch(dt), x2.device)
     args, flags = _slots(ranks, ps, salts)
-    _LORA_DOWN[(_common.cdiv(m, DOWN_BLOCK_M), parts)](
+    _LORA_DOWN[(_common.cdiv(m, bm), parts)](
         x2, a_cat, out, seed, m, k, k_per_part, x2.stride(0), x2.stride(1), a_cat.stride(0), a_cat.stride(1),
-        out.stride(1), out.stride(0), *args, **flags, BLOCK_M=DOWN_BLOCK_M, BLOCK_K=DOWN_BLOCK_K,
-        BLOCK_R=_block_r_whole(max(ranks)), **_consts(dt), num_warps=4)
+        out.stride(1), out.stride(0), *args, **flags, BLOCK_M=bm, BLOCK_K=bk,
+        BLOCK_R=_block_r_whole(max(ranks)), **_consts(dt), num_warps=warps)
     return out[0] if parts == 1 else out.sum(0, dtype=out.dtype).to(dt)
 
 
@@ -423,17 +437,18 @@ def grad_a(x2, dxa, seed, ranks, ps, salts):
     rtot = sum(ranks)
     if not m:
         return torch.zeros((rtot, k), dtype=acc, device=x2.device)
-    kb = _common.cdiv(k, DOWN_BLOCK_K)
-    row_blocks = _common.cdiv(m, DOWN_BLOCK_M)
-    parts = max(1, min(row_blocks, _common.cdiv(2 * _common.num_sms(x2.device), kb)))
-    rows_per_part = _common.cdiv(row_blocks, parts) * DOWN_BLOCK_M
+    bm, bk, warps, per_sm = CFG["grad_a"]
+    kb = _common.cdiv(k, bk)
+    row_blocks = _common.cdiv(m, bm)
+    parts = max(1, min(row_blocks, _common.cdiv(per_sm * _common.num_sms(x2.device), kb)))
+    rows_per_part = _common.cdiv(row_blocks, parts) * bm
     parts = _common.cdiv(m, rows_per_part)
     part = _common.empty((parts, rtot, k), acc, x2.device)
     args, flags = _slots(ranks, ps, salts)
     _LORA_GRAD_A[(kb, parts)](
         x2, dxa, part, seed, m, k, rows_per_part, x2.stride(0), x2.stride(1), dxa.stride(0), part.stride(0),
-        part.stride(1), *args, **flags, BLOCK_M=DOWN_BLOCK_M, BLOCK_K=DOWN_BLOCK_K,
-        BLOCK_R=_block_r_whole(max(ranks)), **_consts(x2.dtype), num_warps=4)
+        part.stride(1), *args, **flags, BLOCK_M=bm, BLOCK_K=bk,
+        BLOCK_R=_block_r_whole(max(ranks)), **_consts(x2.dtype), num_warps=warps)
     return part[0] if parts == 1 else part.sum(0)
 
 
@@ -442,10 +457,10 @@ def add_dx_(gx, dxa, a_cat, seed, ranks, ps, salts):
     m, k = gx.shape
     if m and k:
         args, flags = _slots(ranks, ps, salts)
-        _LORA_DX[_grid(m, k)](
+        grid, launch = _tiles("dx", m, k)
+        _LORA_DX[grid](
             gx, dxa, a_cat, seed, m, k, gx.stride(0), gx.stride(1), dxa.stride(0), a_cat.stride(0), a_cat.stride(1),
-            *args, **flags, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(max(ranks)), **_consts(gx.dtype),
-            num_warps=4)
+            *args, **flags, BLOCK_R=_block_r(max(ranks)), **_consts(gx.dtype), **launch)
     return gx
 
 
@@ -455,11 +470,11 @@ def glu_fwd_(g, u, h, xa, b_gate, b_up, r_g, r_u, s_g, s_u, gelu):
     if m and n:
         bg = b_gate if b_gate is not None else g
         bu = b_up if b_up is not None else g
-        _LORA_GLU_FWD[_grid(m, n)](
+        grid, launch = _tiles("glu_fwd", m, n)
+        _LORA_GLU_FWD[grid](
             g, u, h, xa, bg, bu, m, n, r_g, r_u, float(s_g), float(s_u), xa.stride(0), xa.stride(1),
-            bg.stride(1), bg.stride(0), bu.stride(1), bu.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BLOCK_K=_block_r(max(r_g, r_u, 1)), HAS_G=b_gate is not None, HAS_U=b_up is not None, GELU=gelu,
-            **_consts(g.dtype), num_warps=4)
+            bg.stride(1), bg.stride(0), bu.stride(1), bu.stride(0), BLOCK_K=_block_r(max(r_g, r_u, 1)),
+            HAS_G=b_gate is not None, HAS_U=b_up is not None, GELU=gelu, **_consts(g.dtype), **launch)
 
 
 def glu_bwd_(dh, g, u, dg, du, dha, a_down, seed, p, gelu):
@@ -471,7 +486,8 @@ def glu_bwd_(dh, g, u, dg, du, dha, a_down, seed, p, gelu):
         da = dha if has_d else g
         r = a_down.shape[0] if has_d else 1
         word = drop_spec.signed(drop_spec.salt_word(drop_spec.SALT["down"]))
-        _LORA_GLU_BWD[_grid(m, n)](
+        grid, launch = _tiles("glu_bwd", m, n)
+        _LORA_GLU_BWD[grid](
             dh, g, u, dg, du, da, ad, seed if p else g, word, drop_spec.threshold(p), drop_spec.scale(p), m, n, r,
-            da.stride(0), da.stride(1), ad.stride(0), ad.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            BLOCK_K=_block_r(r), HAS_D=has_d, DROP=bool(has_d and p), GELU=gelu, **_consts(g.dtype), num_warps=4)
+            da.stride(0), da.stride(1), ad.stride(0), ad.stride(1), BLOCK_K=_block_r(r), HAS_D=has_d,
+            DROP=bool(has_d and p), GELU=gelu, **_consts(g.dtype), **launch)
