@@ -106,6 +106,14 @@ def test_graphs_accept_pallas_wherever_it_launches_natively(monkeypatch):
     forge.unpatch(model)
 
 
+# CPU models through the interpreted kernels; a CUDA process compiles Triton for the GPU and refuses
+# a CPU model, so on a GPU machine the gpu twins (test_compiled_replay_meets_the_oracle,
+# test_compiled_lora_replay_meets_the_oracle, test_replayed_steps_match_uncaptured) run instead
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU model through the interpreted kernels: a CUDA "
+                              "process compiles Triton for the GPU; the gpu-marked twins run there")
+
+
+@CPU_ONLY
 def test_cpu_calls_run_uncaptured_and_unpatch_restores():
     model = build_model("qwen2", attn_implementation="sdpa")
     ids, labels = _ids(model, 2, 8, "cpu")
@@ -128,9 +136,9 @@ def test_cpu_calls_run_uncaptured_and_unpatch_restores():
         assert torch.equal(model(ids).logits, before)
 
 
-def test_fused_loss_asks_for_no_kv_cache_unless_given():
-    model = build_model("qwen2", attn_implementation="sdpa")
-    ids, labels = _ids(model, 1, 6, "cpu")
+def test_fused_loss_asks_for_no_kv_cache_unless_given(device):
+    model = build_model("qwen2", attn_implementation="sdpa").to(device)
+    ids, labels = _ids(model, 1, 6, device)
     forge.patch(model, kernels=["fused_linear_ce"])
     out = model(ids, labels=labels)
     assert out.logits is None and out.past_key_values is None
@@ -157,6 +165,7 @@ def _compiled_step(compiled, model, ids, labels):
                                    if p.grad is not None}
 
 
+@CPU_ONLY
 def test_under_compile_each_layer_is_one_op(monkeypatch):
     """graphs=True under torch.compile(fullgraph=True): each decoder layer is one
     forge::graph_layer op. On the CPU (let through the op here; a CPU model's calls never
@@ -215,6 +224,7 @@ def _peft_lora(model, dropout):
     return model
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_under_compile_lora_layers_are_ops(monkeypatch, dropout):
     """A peft LoRA model with graphs=True under torch.compile: each layer one op whose
