@@ -328,6 +328,25 @@ def test_replayed_steps_match_uncaptured(model_type, recompute_mlp, backend, mat
 
 
 @pytest.mark.gpu
+def test_device_bound_passes_run_uncaptured(monkeypatch, math_sdpa):
+    """A pass at or above graphs.DEVICE_BOUND_ELEMENTS hidden-state elements is never captured
+    (no graphs, no pool held) and steps exactly as plain forge.patch; a smaller one still is."""
+    plain, graphed = _twins("qwen2")
+    small_ids, small_labels = _ids(plain, 1, 64, "cuda")
+    ids, labels = _ids(plain, 2, 256, "cuda")
+    monkeypatch.setattr(graphs_mod, "DEVICE_BOUND_ELEMENTS", 2 * 256 * plain.config.hidden_size)
+    for step in range(3):
+        _same(_step(graphed, ids, labels), _step(plain, ids, labels), f"device-bound step {step}")
+    st = graphed._forge_graphs.stats
+    assert st.captures == 0 and st.replayed == 0 and graphed._forge_graphs.sets == {}, st
+    assert list(st.why) == [f"bound by the device (hidden states of {2 * 256 * plain.config.hidden_size} "
+                            "elements or more)"] and st.why[next(iter(st.why))] == 3, st
+    for step in range(3):
+        _same(_step(graphed, small_ids, small_labels), _step(plain, small_ids, small_labels), f"small step {step}")
+    assert st.captures == 1 and st.replayed == 2, st  # small steps: 0 uncaptured, 1 captures, 2 replays
+
+
+@pytest.mark.gpu
 def test_gradient_accumulation_and_two_forwards_before_backward(math_sdpa):
     plain, graphed = _twins("qwen2")
     a, la = _ids(plain, 2, 128, "cuda", seed=1)

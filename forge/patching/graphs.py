@@ -74,6 +74,12 @@ MAX_SETS = 4          # input shapes captured per model; calls of further shapes
 MAX_CAPTURES = 8      # captures per patch (a set dropped for changed parameters is captured again)
 WARMUP = 2            # passes before capture (Triton compiles, cuBLAS and SDPA pick kernels)
 ATTN_OK = ("sdpa", "eager")
+# A pass whose hidden states hold this many elements (rows x hidden) or more runs uncaptured: its
+# layers are bound by the device, so a replay saves no time, and the graphs would hold their
+# activations' pool besides (H200, docs/performance.md: Qwen2.5-0.5B train 8x2048, 14.7M
+# elements, replayed 1.51x eager against 1.52x uncaptured; Llama-3-8B train 4x1024, 16.8M,
+# 1.15x against 1.21x with 13.5 GB held; 4x1024 at 0.5B, 3.7M, 2.78x against 1.32x).
+DEVICE_BOUND_ELEMENTS = 1 << 23
 # arguments HF's decoder loops pass; position_ids / cache_position / num_items_in_batch are not
 # read by sdpa or eager attention without a cache
 _KWARGS = frozenset({"attention_mask", "position_embeddings", "position_ids", "cache", "past_key_values",
@@ -463,6 +469,8 @@ class Graphs:
             return why
         if not isinstance(x, torch.Tensor) or type(x) not in (torch.Tensor, nn.Parameter) or not x.is_cuda:
             return "hidden states not a CUDA tensor"
+        if x.numel() >= DEVICE_BOUND_ELEMENTS:
+            return f"bound by the device (hidden states of {DEVICE_BOUND_ELEMENTS} elements or more)"
         if self._hooked():
             return "module hooks"
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
