@@ -74,3 +74,24 @@ def test_checks(mutate, err, match):
 def test_unknown_act():
     with pytest.raises(ValueError, match="act must be one of"):
         X.check(*_inputs(), act="relu")
+
+
+def test_reference_pieces_through_the_node_match_the_reference():
+    """The op layer's node over the spec's reference pieces equals the reference, values and
+    every gradient: the pieces' contract composes to the op (what a backend's pieces then only
+    have to match piece by piece)."""
+    from forge.ops import experts as node
+
+    x, idx, w, gu, dn = _inputs(t=6, e=4, k=2, seed=3)
+    idx[1, 0] = 4
+    fn = node.build(X.reference_pieces())
+    leaves = [t.requires_grad_() for t in (x, w, gu, dn)]
+    out = fn(x, idx, w, gu, dn)
+    ref = X.reference(x, idx, w, gu, dn)
+    torch.testing.assert_close(out, ref)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, dout)
+    want = torch.autograd.grad(ref, leaves, dout)
+    for name, a, b in zip(("hidden", "top_k_weights", "gate_up_proj", "down_proj"), got, want):
+        torch.testing.assert_close(a, b, msg=name)
+    assert got[1][1, 0] == 0  # the skipped slot's score gradient

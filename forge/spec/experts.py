@@ -25,6 +25,9 @@ both provide exactly these; S = T * K routed rows, the rows sorted by expert)::
       row_token = (order // K).int32                           # (S,) token of each sorted row
       offsets   = cumsum(bincount(ids, minlength=E+1)[:E]).int32   # (E,) end row of expert e
       slot_rows = inverse of order, reshape (T, K), -1 where the id was invalid   # int32
+    A backend provides ``experts_pieces() -> dict`` of the pieces below plus ``device_type``
+    (forge.ops.experts builds the autograd node from them). Outputs are in the dtype of the
+    activation input (hidden's), d_weights in the scores' dtype, weight grads in the weights'.
     Group e is rows [offsets[e-1] (0 for e = 0), offsets[e]); rows from offsets[E-1] on (the
     sentinels) are never computed or read: a piece may leave them unwritten.
 
@@ -38,7 +41,7 @@ both provide exactly these; S = T * K routed rows, the rows sorted by expert)::
                                       valid slots, in k order, fp32 sum (no atomics); weights
                                       None means all ones (the dx gather in backward)
   backward, dout (T,H):
-    unpermute_bwd(dout, y, row_token, slot_rows, weights)
+    unpermute_bwd(dout, y, slot_rows, weights)
         -> dy (S,H), d_weights (T,K)  dy[slot_rows[t,k]] = weights[t,k] * dout[t];
                                       d_weights[t,k] = dout[t] . y[slot_rows[t,k]] (0 if invalid)
     glu_bwd(dy (S,H), gu (S,2I), offsets, down_proj (E,H,I), act)
@@ -149,3 +152,73 @@ def route(top_k_index, n_experts: int):
     rows[order] = torch.arange(order.numel(), device=order.device)
     slot_rows = torch.where(valid, rows, torch.full_like(rows, -1)).to(torch.int32).reshape(t, k)
     return row_token, offsets, slot_rows
+
+
+def _groups(offsets):
+    """(expert, start, end) of every group, on the host: the reference pieces' loop."""
+    ends = offsets.tolist()
+    return [(e, ends[e - 1] if e else 0, end) for e, end in enumerate(ends)]
+
+
+def _glu(gu, act):
+    g, u = gu.chunk(2, dim=-1)
+    return _act(g, act) * u
+
+
+def _ref_glu_fwd(x, row_token, offsets, gate_up_proj, act):
+    s, two_i = row_token.numel(), gate_up_proj.shape[1]
+    gu = x.new_zeros(s, two_i)
+    for e, a, b in _groups(offsets):
+        gu[a:b] = x[row_token[a:b].long()] @ gate_up_proj[e].T
+    return _glu(gu, act), gu
+
+
+def _ref_grouped_mm(a, w, offsets, transpose=True):
+    out = a.new_zeros(a.shape[0], w.shape[1] if transpose else w.shape[2])
+    for e, lo, hi in _groups(offsets):
+        out[lo:hi] = a[lo:hi] @ (w[e].T if transpose else w[e])
+    return out
+
+
+def _ref_unpermute(y, slot_rows, weights):
+    rows = slot_rows.long()
+    valid = (rows >= 0).to(y.dtype)
+    w = valid if weights is None else weights.to(y.dtype) * valid
+    return (y[rows.clamp(min=0)] * w[..., None]).sum(1)
+
+
+def _ref_unpermute_bwd(dout, y, slot_rows, weights):
+    rows = slot_rows.long()
+    valid = rows >= 0
+    dy = y.new_zeros(y.shape)
+    t_idx = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
+    dy[rows[valid]] = dout[t_idx[valid]] * weights[valid].to(dout.dtype)[:, None]
+    dw = (dout[:, None, :] * y[rows.clamp(min=0)]).sum(-1) * valid
+    return dy, dw.to(weights.dtype)
+
+
+def _ref_glu_bwd(dy, gu, offsets, down_proj, act):
+    dh = _ref_grouped_mm(dy, down_proj, offsets, transpose=False)
+    g, u = gu.chunk(2, dim=-1)
+    with torch.enable_grad():
+        g2 = g.detach().requires_grad_()
+        a = _act(g2, act)
+        (da,) = torch.autograd.grad(a, g2, dh * u)
+    return torch.cat([da, dh * a.detach()], -1), a.detach() * u
+
+
+def _ref_grouped_wgrad(a, b, offsets, b_rows):
+    rows = b if b_rows is None else b[b_rows.long()]
+    out = a.new_zeros(offsets.numel(), a.shape[1], b.shape[1])
+    for e, lo, hi in _groups(offsets):
+        out[e] = a[lo:hi].T @ rows[lo:hi]
+    return out
+
+
+def reference_pieces(device_type: str = "cpu") -> dict:
+    """The pieces of the contract above in plain torch (a loop over the groups, host-synced: a
+    reference, not a backend): what each backend's pieces are tested against, piece by piece."""
+    return {"glu_fwd": _ref_glu_fwd, "grouped_mm": _ref_grouped_mm, "unpermute": _ref_unpermute,
+            "unpermute_bwd": _ref_unpermute_bwd, "glu_bwd": _ref_glu_bwd,
+            "grouped_mm_t": lambda a, w, offsets: _ref_grouped_mm(a, w, offsets, transpose=False),
+            "grouped_wgrad": _ref_grouped_wgrad, "device_type": device_type}
