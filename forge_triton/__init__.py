@@ -27,6 +27,7 @@ _WHERE = {
     "decode_attention": ("decode_attention", "decode_attention"),  # (the decoding path's; no op)
     # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
     "mlp_act": ("glu", "mlp_act"),
+    "experts_pieces": ("experts", "experts_pieces"),
     "fused_linear_ce_prepare": ("fused_linear_ce", "prepare"),
     "fused_linear_ce_compute": ("fused_linear_ce", "compute"),
     "fused_linear_ce_scale": ("fused_linear_ce", "scale_"),

@@ -19,7 +19,8 @@ Adding a backend (one folder and one entry in :data:`BACKENDS`):
    signatures (``rmsnorm``, ``swiglu``, ``geglu``, ``rope``, ``lora_qkv``, ``lora_mlp``; any it
    lacks is skipped at patch time) and ``availability() -> (usable, reason)``.
 2. The nodes' pieces, where it has them: ``mlp_act(act) -> dict(act, act_bwd, inplace,
-   device_type[, act_bwd_fresh])`` for the gated MLP; ``fused_linear_ce_prepare``,
+   device_type[, act_bwd_fresh])`` for the gated MLP; ``experts_pieces() -> dict`` for the MoE
+   expert block (forge.spec.experts lists them); ``fused_linear_ce_prepare``,
    ``fused_linear_ce_compute`` (and optionally ``fused_linear_ce_scale``) for the loss.
 3. An adaptor module for the op layer (``forge_triton/_ops.py``, ``bridge/_ops.py`` are the two to
    copy): ``kernels()``, ``op_name``, ``input_names``, ``diff_names``, ``saved_present``,
@@ -95,7 +96,7 @@ BACKENDS_TABLE: dict[str, Backend] = {
     "pallas": Backend("bridge", "bridge._ops", _pallas_interpreted, _pallas_fits, _pallas_on_stream),
 }
 BACKENDS = tuple(BACKENDS_TABLE)
-NODES = ("gated_mlp", "fused_linear_ce")  # built here from each backend's pieces
+NODES = ("gated_mlp", "fused_linear_ce", "experts")  # built here from each backend's pieces
 
 
 def _entry(backend: str) -> Backend:
@@ -170,6 +171,11 @@ def _piece(backend: str, name: str):
 
 @functools.cache
 def _node(key: str, backend: str):
+    if key == "experts":
+        from . import experts
+
+        pieces = _piece(backend, "experts_pieces")
+        return None if pieces is None else experts.build(pieces(), _piece(backend, "check_devices"))
     if key == "gated_mlp":
         from . import _nodes
 

@@ -1,0 +1,276 @@
+"""The MoE expert block's pieces in Triton (spec and contract: forge/spec/experts.py; the autograd
+node that strings them together: forge/ops/experts.py).
+
+Rows are sorted by expert; ``offsets`` (E,) holds each group's end row on the device. A grouped
+kernel's grid is sized for the worst case, ``cdiv(S, BLOCK_M) + E`` row tiles (each group adds at
+most one partial tile), and each program finds its expert and row range by one pass over the
+offsets; programs past the last tile do nothing. No host sync anywhere: the launch sizes depend
+on S, E and the widths only.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+from ._common import cast
+from .glu import _act_and_grad
+from .lora_kernels import _dot
+
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+       torch.float64: tl.float64}
+EPI_PLAIN, EPI_GLU, EPI_GLU_BWD = 0, 1, 2
+
+
+def _blocks():
+    # the interpreter runs each program in Python: the smallest tiles tl.dot takes
+    return (16, 16, 16) if _common.INTERPRET else (64, 64, 32)
+
+
+@triton.jit
+def _find_tile(off_ptr, pid_m, E, BLOCK_M: tl.constexpr):
+    """(expert, first row, group end) of row tile ``pid_m``; expert -1 past the last tile."""
+    first = tl.full([], 0, tl.int32)
+    prev = tl.full([], 0, tl.int32)
+    my_e = tl.full([], -1, tl.int32)
+    my_row0 = tl.full([], 0, tl.int32)
+    my_end = tl.full([], 0, tl.int32)
+    for e in range(0, E):
+        end = tl.load(off_ptr + e)
+        n_t = (end - prev + BLOCK_M - 1) // BLOCK_M
+        hit = (pid_m >= first) & (pid_m < first + n_t)
+        my_e = tl.where(hit, e, my_e)
+        my_row0 = tl.where(hit, prev + (pid_m - first) * BLOCK_M, my_row0)
+        my_end = tl.where(hit, end, my_end)
+        first += n_t
+        prev = end
+    return my_e, my_row0, my_end
+
+
+# out[s, n] = sum_k a[src(s), k] * W[e](n, k) for the rows s of expert e's group, where
+# src(s) = idx[s] with GATHER (the gate/up product reads token rows) else s, and W(n, k) is read
+# through strides (the host swaps them for a[s] @ W[e] against a[s] @ W[e].T).
+# EPI_GLU: two accumulators, gate rows n and up rows I + n of W; writes gu = [g, u] and
+#   h = act(g) * u (act(g) rounded to the output dtype first, as eager rounds it).
+# EPI_GLU_BWD: acc = dh; with g, u from gu: writes dgu = [dh * u * act'(g), dh * act(g)] and
+#   h = act(g) * u (recomputed for the down weight's gradient).
+@triton.jit
+def _experts_grouped_kernel(a_ptr, idx_ptr, w_ptr, off_ptr, out_ptr, gu_ptr, h_ptr,
+                            E, N, K, s_am, s_we, s_wn, s_wk, s_om, s_gm, s_hm,
+                            GATHER: tl.constexpr, EPI: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                            UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e, row0, end = _find_tile(off_ptr, tl.program_id(0), E, BLOCK_M)
+    if e >= 0:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        src = rows.to(tl.int64)
+        if GATHER:
+            src = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        w_base = w_ptr + e.to(tl.int64) * s_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            a = tl.load(a_ptr + src[:, None] * s_am + rk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wmask = kmask[:, None] & nmask[None, :]
+            w = tl.load(w_base + rk[:, None] * s_wk + rn[None, :].to(tl.int64) * s_wn, mask=wmask, other=0.0)
+            acc = _dot(a, w, acc, DT, ACC, UPCAST, IEEE)
+            if EPI == 1:
+                wu = tl.load(w_base + rk[:, None] * s_wk + (N + rn[None, :]).to(tl.int64) * s_wn, mask=wmask,
+                             other=0.0)
+                acc_u = _dot(a, wu, acc_u, DT, ACC, UPCAST, IEEE)
+        omask = rmask[:, None] & nmask[None, :]
+        r64 = rows[:, None].to(tl.int64)
+        if EPI == 0:
+            tl.store(out_ptr + r64 * s_om + rn[None, :], cast(acc, DT), mask=omask)
+        else:
+            if EPI == 1:
+                g = cast(acc, DT).to(ACC)
+                u = cast(acc_u, DT).to(ACC)
+                tl.store(gu_ptr + r64 * s_gm + rn[None, :], cast(g, DT), mask=omask)
+                tl.store(gu_ptr + r64 * s_gm + N + rn[None, :], cast(u, DT), mask=omask)
+            else:
+                g = tl.load(gu_ptr + r64 * s_gm + rn[None, :], mask=omask, other=0.0).to(ACC)
+                u = tl.load(gu_ptr + r64 * s_gm + N + rn[None, :], mask=omask, other=0.0).to(ACC)
+            act, dact = _act_and_grad(g, False)
+            if EPI == 2:
+                dh = cast(acc, DT).to(ACC)
+                tl.store(out_ptr + r64 * s_om + rn[None, :], cast(dh * u * dact, DT), mask=omask)
+                tl.store(out_ptr + r64 * s_om + N + rn[None, :], cast(dh * act, DT), mask=omask)
+            act = cast(act, DT).to(ACC)
+            tl.store(h_ptr + r64 * s_hm + rn[None, :], cast(act * u, DT), mask=omask)
+
+
+# dW[e] = sum over the rows s of group e of a[s]^T b[src(s)]: one (BLOCK_M, BLOCK_N) tile of one
+# expert per program, looping over the group's rows; an empty group writes zeros.
+@triton.jit
+def _experts_wgrad_kernel(a_ptr, b_ptr, idx_ptr, off_ptr, dw_ptr, M, N, s_am, s_bm, s_de, s_dm,
+                          GATHER: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    e = tl.program_id(0)
+    start = tl.load(off_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(off_ptr + e)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for s0 in range(start, end, BLOCK_K):
+        rs = s0 + tl.arange(0, BLOCK_K)
+        smask = rs < end
+        src = rs.to(tl.int64)
+        if GATHER:
+            src = tl.load(idx_ptr + rs, mask=smask, other=0).to(tl.int64)
+        at = tl.load(a_ptr + rs[None, :].to(tl.int64) * s_am + rm[:, None], mask=mmask[:, None] & smask[None, :],
+                     other=0.0)  # (BLOCK_M, BLOCK_K)
+        b = tl.load(b_ptr + src[:, None] * s_bm + rn[None, :], mask=smask[:, None] & nmask[None, :], other=0.0)
+        acc = _dot(at, b, acc, DT, ACC, UPCAST, IEEE)
+    tl.store(dw_ptr + e.to(tl.int64) * s_de + rm[:, None].to(tl.int64) * s_dm + rn[None, :],
+             cast(acc, dw_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+# out[t] = sum_k w[t, k] * y[slot_rows[t, k]] over the valid slots, in k order (no atomics)
+@triton.jit
+def _experts_unpermute_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, s_ym, s_om,
+                              K: tl.constexpr, WEIGHTED: tl.constexpr, ACC: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = rh < H
+    acc = tl.zeros((BLOCK_H,), dtype=ACC)
+    for k in tl.static_range(K):
+        r = tl.load(rows_ptr + t * K + k)
+        y = tl.load(y_ptr + r.to(tl.int64) * s_ym + rh, mask=hmask & ((rh * 0 + r) >= 0), other=0.0).to(ACC)
+        if WEIGHTED:
+            y = y * tl.load(w_ptr + t * K + k).to(ACC)
+        acc += y
+    tl.store(out_ptr + t.to(tl.int64) * s_om + rh, cast(acc, out_ptr.dtype.element_ty), mask=hmask)
+
+
+# out[t] = sum_k w_k y_k  =>  dy_k = w_k * dout[t] (one writer per row: the slot that owns it),
+# dw_k = dout[t] . y_k; one program per (token, slot), looping over H.
+@triton.jit
+def _experts_unpermute_bwd_kernel(dout_ptr, y_ptr, rows_ptr, w_ptr, dy_ptr, dw_ptr, H, s_dm, s_ym,
+                                  K: tl.constexpr, ACC: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    k = tl.program_id(1)
+    r = tl.load(rows_ptr + t * K + k)
+    w = tl.load(w_ptr + t * K + k).to(ACC)
+    dot = tl.zeros((BLOCK_H,), dtype=ACC)
+    r64 = r.to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        rh = h0 + tl.arange(0, BLOCK_H)
+        m = (rh < H) & ((rh * 0 + r) >= 0)
+        d = tl.load(dout_ptr + t.to(tl.int64) * s_dm + rh, mask=m, other=0.0).to(ACC)
+        y = tl.load(y_ptr + r64 * s_ym + rh, mask=m, other=0.0).to(ACC)
+        dot += d * y
+        tl.store(dy_ptr + r64 * s_ym + rh, cast(d * w, dy_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_ptr + t * K + k, cast(tl.sum(dot, 0), dw_ptr.dtype.element_ty))
+
+
+def _meta(dt):
+    return dict(DT=_TL[dt], ACC=_common.acc(dt), UPCAST=_common.dot_upcast(), IEEE=dt == torch.float32)
+
+
+def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None):
+    """One launch of the grouped kernel over S = len(idx or a) rows; returns (out, gu, h)."""
+    bm, bn, bk = _blocks()
+    s_rows = idx.numel() if idx is not None else a.shape[0]
+    e_n = w.shape[0]
+    k = a.shape[1]
+    out = h = None
+    if epi == EPI_PLAIN:
+        out = _common.empty((s_rows, n), a.dtype, a.device)
+    else:
+        h = _common.empty((s_rows, n), a.dtype, a.device)
+        if epi == EPI_GLU:
+            gu = _common.empty((s_rows, 2 * n), a.dtype, a.device)
+        else:
+            out = _common.empty((s_rows, 2 * n), a.dtype, a.device)
+    if s_rows and n:
+        dummy = h if out is None else out
+        grid = (_common.cdiv(s_rows, bm) + e_n, _common.cdiv(n, bn))
+        _experts_grouped_kernel[grid](
+            a, idx if idx is not None else offsets, w, offsets, dummy, gu if gu is not None else dummy,
+            h if h is not None else dummy, e_n, n, k, a.stride(0), w.stride(0), s_wn, s_wk, dummy.stride(0),
+            gu.stride(0) if gu is not None else 0, h.stride(0) if h is not None else 0,
+            GATHER=idx is not None, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **_meta(a.dtype))
+    return out, gu, h
+
+
+def _dense(t):
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def glu_fwd(x, row_token, offsets, gate_up_proj, act):
+    x = _dense(x)
+    i = gate_up_proj.shape[1] // 2
+    _, gu, h = _grouped(x, row_token, gate_up_proj, offsets, i, gate_up_proj.stride(1), gate_up_proj.stride(2),
+                        EPI_GLU)
+    return h, gu
+
+
+def grouped_mm(a, w, offsets):
+    return _grouped(_dense(a), None, w, offsets, w.shape[1], w.stride(1), w.stride(2), EPI_PLAIN)[0]
+
+
+def grouped_mm_t(a, w, offsets):
+    return _grouped(_dense(a), None, w, offsets, w.shape[2], w.stride(2), w.stride(1), EPI_PLAIN)[0]
+
+
+def glu_bwd(dy, gu, offsets, down_proj, act):
+    dgu, _, h = _grouped(_dense(dy), None, down_proj, offsets, down_proj.shape[2], down_proj.stride(2),
+                         down_proj.stride(1), EPI_GLU_BWD, gu=_dense(gu))
+    return dgu, h
+
+
+def grouped_wgrad(a, b, offsets, b_rows):
+    bm, bn, bk = _blocks()
+    a, b = _dense(a), _dense(b)
+    e_n, m, n = offsets.numel(), a.shape[1], b.shape[1]
+    dw = _common.empty((e_n, m, n), a.dtype, a.device)
+    if e_n and m and n:
+        grid = (e_n, _common.cdiv(m, bm), _common.cdiv(n, bn))
+        _experts_wgrad_kernel[grid](a, b, b_rows if b_rows is not None else offsets, offsets, dw, m, n,
+                                    a.stride(0), b.stride(0), dw.stride(0), dw.stride(1),
+                                    GATHER=b_rows is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                    **_meta(a.dtype))
+    return dw
+
+
+def unpermute(y, slot_rows, weights):
+    y = _dense(y)
+    t, k = slot_rows.shape
+    h = y.shape[1]
+    out = _common.empty((t, h), y.dtype, y.device)
+    if t and h:
+        bh = min(1024, _common.next_pow2(h))
+        _experts_unpermute_kernel[(t, _common.cdiv(h, bh))](
+            y, _dense(slot_rows), _dense(weights) if weights is not None else y, out, h, y.stride(0),
+            out.stride(0), K=k, WEIGHTED=weights is not None, ACC=_common.acc(y.dtype), BLOCK_H=bh)
+    return out
+
+
+def unpermute_bwd(dout, y, slot_rows, weights):
+    dout, y = _dense(dout), _dense(y)
+    t, k = slot_rows.shape
+    h = y.shape[1]
+    dy = _common.empty_like(y)
+    dw = _common.empty((t, k), weights.dtype, weights.device)
+    if t:
+        _experts_unpermute_bwd_kernel[(t, k)](dout, y, _dense(slot_rows), _dense(weights), dy, dw, h,
+                                              dout.stride(0), y.stride(0), K=k, ACC=_common.acc(y.dtype),
+                                              BLOCK_H=min(1024, _common.next_pow2(max(h, 1))))
+    return dy, dw
+
+
+def experts_pieces() -> dict:
+    """The pieces forge.ops.experts builds the expert block's node from."""
+    return {"glu_fwd": glu_fwd, "grouped_mm": grouped_mm, "unpermute": unpermute,
+            "unpermute_bwd": unpermute_bwd, "glu_bwd": glu_bwd, "grouped_mm_t": grouped_mm_t,
+            "grouped_wgrad": grouped_wgrad, "device_type": "cpu" if _common.INTERPRET else "cuda"}

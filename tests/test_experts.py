@@ -1,0 +1,148 @@
+"""The MoE expert block (forge.spec.experts) per backend against the float64 oracle, values and
+every gradient (hidden, top_k_weights, gate_up_proj, down_proj), at the shapes a grouped kernel
+finds awkward: top-1 and top-k = E, a single token, experts with no tokens, one expert taking
+every row (several row tiles), ids outside [0, E) (skipped), non-contiguous inputs; gradcheck in
+float64; and the backends against each other. The gpu cases run the real shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forge import ops
+from forge.errors import BackendUnavailableError
+from forge.spec import experts as X
+from forge.spec import tolerance
+from oracle import check_op
+
+BACKENDS = list(ops.BACKENDS)
+DIFF = ("hidden", "top_k_weights", "gate_up_proj", "down_proj")
+
+
+def _experts(backend):
+    """The backend's experts op, or a skip with the registry's reason (a backend without the
+    pieces yet, or one that cannot run here)."""
+    try:
+        return ops.get("experts", backend)
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
+
+
+def _ref(**kw):
+    # the oracle moves every tensor to float64: the ids go back to integers
+    return X.reference(**{**kw, "top_k_index": kw["top_k_index"].long()})
+
+
+def _case(t, h, i, e, k, *, dtype=torch.float32, device="cpu", ids=None, seed=0, scale=None):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if ids is None:  # distinct experts per token, as a top-k router picks them
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    scale = scale or h ** -0.5
+    tensors = {
+        "hidden": torch.randn(t, h, generator=g),
+        "top_k_index": ids,
+        "top_k_weights": torch.rand(t, k, generator=g),
+        "gate_up_proj": torch.randn(e, 2 * i, h, generator=g) * scale,
+        "down_proj": torch.randn(e, h, i, generator=g) * i ** -0.5,
+    }
+    return {n: v.to(device, v.dtype if n == "top_k_index" else dtype) for n, v in tensors.items()}
+
+
+def _one_expert(t, e):
+    ids = torch.full((t, 1), 2)
+    ids[0, 0] = e  # transformers' sentinel id: skipped
+    return ids
+
+
+CPU_CASES = {
+    "t7_e5_k2": dict(t=7, h=24, i=20, e=5, k=2),
+    "top1": dict(t=6, h=16, i=12, e=4, k=1),
+    "one_token_topk_all": dict(t=1, h=24, i=20, e=8, k=8),
+    "empty_and_sentinel": dict(t=4, h=16, i=12, e=8, k=2,
+                               ids=torch.tensor([[0, 1], [1, 8], [0, -1], [1, 0]])),
+    "one_expert_many_tiles": dict(t=37, h=16, i=12, e=4, k=1, ids=_one_expert(37, 4)),
+}
+
+
+# every case in fp32; bf16 on one (the interpreter's time; the gpu cases are bf16)
+CPU_PARAMS = [pytest.param(c, torch.float32, id=n) for n, c in CPU_CASES.items()] + [
+    pytest.param(CPU_CASES["t7_e5_k2"], torch.bfloat16, id="t7_e5_k2-bf16")]
+
+
+@pytest.mark.parametrize("case, dtype", CPU_PARAMS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_oracle(backend, case, dtype):
+    fn = _experts(backend)
+    tensors = _case(**case, dtype=dtype)
+    check_op(fn, _ref, tensors, diff=DIFF, reductions=X.reductions(*tensors.values()))
+
+
+def test_experts_noncontiguous_inputs():
+    fn = _experts("triton")
+    tensors = _case(t=5, h=16, i=12, e=3, k=2, seed=4)
+    wide = torch.zeros(5, 32)
+    wide[:, ::2] = tensors["hidden"]
+    tensors["hidden"] = wide[:, ::2]
+    # expert weights stored transposed (E, H, 2I) and viewed as (E, 2I, H): strided rows
+    tensors["gate_up_proj"] = tensors["gate_up_proj"].transpose(1, 2).contiguous().transpose(1, 2)
+    tensors["top_k_weights"] = tensors["top_k_weights"].t().contiguous().t()
+    check_op(fn, _ref, tensors, diff=DIFF, reductions=X.reductions(*tensors.values()))
+
+
+def test_experts_gradcheck():
+    fn = _experts("triton")
+    tensors = _case(t=3, h=5, i=3, e=3, k=2, dtype=torch.float64, seed=5)
+    idx = tensors.pop("top_k_index")
+    leaves = [tensors[n].requires_grad_() for n in DIFF]
+    assert torch.autograd.gradcheck(lambda x, w, gu, dn: fn(x, idx, w, gu, dn), leaves, fast_mode=True)
+
+
+def test_experts_no_grad_path_matches_node():
+    """Inference (no node built) computes what the autograd node computes."""
+    fn = _experts("triton")
+    tensors = _case(t=5, h=16, i=12, e=4, k=2, seed=6)
+    with torch.no_grad():
+        bare = fn(**tensors)
+    leaves = {n: (v.clone().requires_grad_() if n in DIFF else v) for n, v in tensors.items()}
+    torch.testing.assert_close(fn(**leaves).detach(), bare, rtol=0, atol=0)
+
+
+def test_experts_checks_before_any_kernel():
+    fn = _experts("triton")
+    tensors = _case(t=4, h=16, i=12, e=4, k=2)
+    tensors["top_k_weights"] = tensors["top_k_weights"][:, :1]
+    with pytest.raises(ValueError, match="top_k_index"):
+        fn(**tensors)
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="one backend registered: nothing to agree with")
+def test_experts_backends_agree():
+    fns = [_experts(b) for b in BACKENDS]
+    tensors = _case(t=6, h=24, i=20, e=4, k=2, seed=7)
+    res = []
+    dout = torch.randn(6, 24)
+    for fn in fns:
+        leaves = {n: (v.clone().requires_grad_() if n in DIFF else v) for n, v in tensors.items()}
+        out = fn(**leaves)
+        out.backward(dout)
+        res.append([out.detach()] + [leaves[n].grad for n in DIFF])
+    red = X.reductions(*tensors.values())
+    for name, a, b in zip(("out",) + DIFF, *res):
+        tol = 2 * tolerance.atol(torch.float32, red.get(name, 1))
+        assert tolerance.rel_err(a, b) <= tol, name
+
+
+GPU_SHAPES = {  # (tokens, hidden, moe intermediate, experts, top-k)
+    "qwen3_30b_a3b_4x1024": (4096, 2048, 768, 128, 8),
+    "olmoe_1b_7b_4x1024": (4096, 2048, 1024, 64, 8),
+    "qwen3_30b_a3b_decode8": (8, 2048, 768, 128, 8),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES.values(), ids=GPU_SHAPES.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_oracle_gpu(backend, shape, device):
+    fn = _experts(backend)
+    t, h, i, e, k = shape
+    tensors = _case(t, h, i, e, k, dtype=torch.bfloat16, device=device)
+    check_op(fn, _ref, tensors, diff=DIFF, reductions=X.reductions(*tensors.values()))
