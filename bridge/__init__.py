@@ -9,7 +9,7 @@ memory preallocation (``XLA_PYTHON_CLIENT_PREALLOCATE`` defaults to false) and i
 Layer: the Pallas backend's torch side, above the spec (``forge.spec``) and ``forge_pallas``,
 below the op layer (``forge.ops``), which it never imports: the op layer installs its
 torch.library entry in ``core`` (through ``_ops``) and builds the gated MLP and the fused loss
-from this package's pieces (``mlp_act``, ``fused_linear_ce_*``).
+from this package's pieces (``mlp_act``, ``experts_pieces``, ``fused_linear_ce_*``).
 """
 from . import runtime  # sets XLA_PYTHON_CLIENT_PREALLOCATE before jax can start
 
@@ -27,6 +27,7 @@ _WHERE = {
     "decode_attention": ("kernels", "decode_attention"),  # (the decoding path's, forward only)
     # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
     "mlp_act": ("kernels", "mlp_act"),
+    "experts_pieces": ("experts", "experts_pieces"),
     "fused_linear_ce_prepare": ("fused_linear_ce", "prepare"),
     "fused_linear_ce_compute": ("fused_linear_ce", "compute"),
     "check_devices": ("kernels", "check_devices"),

@@ -1,0 +1,79 @@
+"""The MoE expert block's Pallas pieces on torch tensors (``forge_pallas.experts``), in the
+contract of forge/spec/experts.py; ``experts_pieces()`` hands them to the op layer's autograd
+node (forge/ops/experts.py), which checks the arguments (the spec's ``check``) before any runs.
+
+Each piece is a kernel without autograd of its own (``diff=()``, no backward: the node strings
+the backward pieces together), launched natively on torch's stream where a plan serves it, like
+every bridged kernel. A call with no rows to compute returns empty (or zero) tensors in torch:
+there is nothing to launch.
+"""
+from __future__ import annotations
+
+import torch
+
+from forge_pallas import experts as _k
+
+from . import core, runtime
+
+GLU_FWD = core.KernelDef("experts_glu_fwd", _k.glu_fwd, None, diff=())
+GROUPED_MM = core.KernelDef("experts_grouped_mm", _k.grouped_mm, None, diff=())
+GROUPED_MM_T = core.KernelDef("experts_grouped_mm_t", _k.grouped_mm_t, None, diff=())
+GLU_BWD = core.KernelDef("experts_glu_bwd", _k.glu_bwd, None, diff=())
+WGRAD = core.KernelDef("experts_grouped_wgrad", _k.grouped_wgrad, None, diff=())
+UNPERMUTE = core.KernelDef("experts_unpermute", _k.unpermute, None, diff=())
+UNPERMUTE_BWD = core.KernelDef("experts_unpermute_bwd", _k.unpermute_bwd, None, diff=())
+
+
+def _one(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def glu_fwd(x, row_token, offsets, gate_up_proj, act):
+    s, two_i = row_token.shape[0], gate_up_proj.shape[1]
+    if s == 0:
+        return x.new_empty(0, two_i // 2), x.new_empty(0, two_i)
+    return tuple(core.apply(GLU_FWD, x, row_token, offsets, gate_up_proj, act=act))
+
+
+def grouped_mm(a, w, offsets):
+    if a.shape[0] == 0:
+        return a.new_empty(0, w.shape[1])
+    return _one(core.apply(GROUPED_MM, a, w, offsets))
+
+
+def grouped_mm_t(a, w, offsets):
+    if a.shape[0] == 0:
+        return a.new_empty(0, w.shape[2])
+    return _one(core.apply(GROUPED_MM_T, a, w, offsets))
+
+
+def glu_bwd(dy, gu, offsets, down_proj, act):
+    if dy.shape[0] == 0:
+        return gu.new_empty(gu.shape), gu.new_empty(0, gu.shape[1] // 2)
+    return tuple(core.apply(GLU_BWD, dy, gu, offsets, down_proj, act=act))
+
+
+def grouped_wgrad(a, b, offsets, b_rows):
+    if a.shape[0] == 0:
+        return a.new_zeros(offsets.shape[0], a.shape[1], b.shape[1])
+    rows = () if b_rows is None else (b_rows,)
+    return _one(core.apply(WGRAD, a, b, offsets, *rows))
+
+
+def unpermute(y, slot_rows, weights):
+    if slot_rows.numel() == 0:
+        return y.new_zeros(slot_rows.shape[0], y.shape[1])
+    return _one(core.apply(UNPERMUTE, y, slot_rows, *(() if weights is None else (weights,))))
+
+
+def unpermute_bwd(dout, y, slot_rows, weights):
+    if slot_rows.numel() == 0:
+        return dout.new_empty(y.shape), weights.new_zeros(weights.shape)
+    return tuple(core.apply(UNPERMUTE_BWD, dout, y, slot_rows, weights))
+
+
+def experts_pieces() -> dict:
+    """The pieces forge.ops.experts builds the expert block's node from."""
+    return {"glu_fwd": glu_fwd, "grouped_mm": grouped_mm, "unpermute": unpermute,
+            "unpermute_bwd": unpermute_bwd, "glu_bwd": glu_bwd, "grouped_mm_t": grouped_mm_t,
+            "grouped_wgrad": grouped_wgrad, "device_type": "cpu" if runtime.interpret() else "cuda"}

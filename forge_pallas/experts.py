@@ -1,0 +1,125 @@
+"""The MoE expert block's pieces as Pallas kernels (the contract: forge/spec/experts.py; the
+grouped products: forge_pallas/experts_kernels.py; the autograd node that strings the pieces
+together: forge/ops/experts.py). Pure JAX, no torch.
+
+Here: the weighted un-permute (each token's sum over its K routed rows, weighted by the
+router's scores, in k order with an fp32 sum: no atomics) and its backward (the rows' gradient
+scattered back, one writer per row, and the score gradient as a row dot), and the pieces'
+signatures as the bridge calls them (each returns ``(outputs, ())``: no residuals, the node keeps
+what backward needs).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import _common as C
+from . import experts_kernels as K
+
+_KIND = {"silu": "swiglu"}
+
+
+def _slot_rows(rows_ref, scale_ref, ts, tmask, k, acc):
+    """(row of slot k per token, valid?, score) for tokens ``ts``; the score is 1 without scores."""
+    k = jnp.int32(k)  # (a Python int index is refused by the interpreter)
+    rows = C.load(rows_ref.at[ts, k], mask=tmask, other=-1)
+    valid = tmask & (rows >= 0)
+    score = None if scale_ref is None else C.load(scale_ref.at[ts, k], mask=tmask, other=0.0).astype(acc)
+    return jnp.where(valid, rows, 0), valid, score
+
+
+# out[t] = sum_k score[t, k] * y[slot_rows[t, k]] over the valid slots (fp32, k order)
+def _unpermute_kernel(y_ref, rows_ref, *rest, top_k, bt, bh):
+    scale_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
+    n_tok, width = o_ref.shape
+    acc = C.acc_dtype(y_ref.dtype)
+    toks = pl.program_id(0) * bt + jnp.arange(bt, dtype=jnp.int32)
+    cols = pl.program_id(1) * bh + jnp.arange(bh, dtype=jnp.int32)
+    tmask, cmask = toks < n_tok, cols < width
+    ts = pl.ds(pl.program_id(0) * bt, bt)
+    total = jnp.zeros((bt, bh), acc)
+    for k in range(top_k):
+        rows, valid, score = _slot_rows(rows_ref, scale_ref, ts, tmask, k, acc)
+        y = C.load(y_ref.at[K._off_rows(rows, valid)[:, None], cols[None, :]], mask=valid[:, None] & cmask[None, :],
+                   other=0.0).astype(acc)
+        total = total + (y if score is None else y * score[:, None])
+    C.store(o_ref.at[ts, pl.ds(pl.program_id(1) * bh, bh)], total.astype(o_ref.dtype),
+            mask=tmask[:, None] & cmask[None, :])
+
+
+def unpermute(y, slot_rows, *weights):
+    """((out (T, H),), ()): the weighted (``weights``: (T, K), or absent: ones) sum of each token's rows."""
+    weights = weights[0] if weights else None
+    t, top_k = slot_rows.shape
+    width = y.shape[1]
+    kern = functools.partial(_unpermute_kernel, top_k=top_k, bt=K.ROW_BLOCK, bh=K.COL_BLOCK)
+    args = (y, slot_rows) if weights is None else (y, slot_rows, weights)
+    out = C.triton_call(kern, name="experts_unpermute" if weights is not None else "experts_gather",
+                        grid=(C.row_programs(C.cdiv(t, K.ROW_BLOCK)), C.cdiv(width, K.COL_BLOCK)), num_warps=4,
+                        out_shape=jax.ShapeDtypeStruct((t, width), y.dtype))(*args)
+    return (out,), ()
+
+
+# dy[slot_rows[t, k]] = score[t, k] * dout[t] (each routed row has one (t, k): one writer);
+# d_score[t, k] = dout[t] . y[slot_rows[t, k]], 0 for an invalid slot
+def _unpermute_bwd_kernel(dout_ref, y_ref, rows_ref, scale_ref, dy_ref, ds_ref, *, top_k, bt, bh):
+    n_tok, width = dout_ref.shape
+    acc = C.acc_dtype(dout_ref.dtype)
+    toks = pl.program_id(0) * bt + jnp.arange(bt, dtype=jnp.int32)
+    tmask = toks < n_tok
+    ts = pl.ds(pl.program_id(0) * bt, bt)
+    kp = C.next_power_of_2(top_k)
+    kcols = jnp.arange(kp, dtype=jnp.int32)
+    d_score = jnp.zeros((bt, kp), acc)
+    for k in range(top_k):
+        rows, valid, score = _slot_rows(rows_ref, scale_ref, ts, tmask, k, acc)
+        far = K._off_rows(rows, valid)[:, None]
+
+        def body(c, dot_acc):
+            cols = c * bh + jnp.arange(bh, dtype=jnp.int32)
+            m = valid[:, None] & (cols < width)[None, :]
+            d = C.load(dout_ref.at[ts, pl.ds(c * bh, bh)], mask=tmask[:, None] & (cols < width)[None, :],
+                       other=0.0).astype(acc)
+            y = C.load(y_ref.at[far, cols[None, :]], mask=m, other=0.0).astype(acc)
+            C.store(dy_ref.at[far, cols[None, :]], (d * score[:, None]).astype(dy_ref.dtype), mask=m)
+            return dot_acc + jnp.sum(d * y, axis=1)
+
+        dots = lax.fori_loop(C.i32(0), C.i32(C.cdiv(width, bh)), body, jnp.zeros((bt,), acc))
+        d_score = d_score + jnp.where(kcols[None, :] == k, dots[:, None], 0.0)
+    C.store(ds_ref.at[ts, pl.ds(0, kp)], d_score.astype(ds_ref.dtype),
+            mask=tmask[:, None] & (kcols < top_k)[None, :])
+
+
+def unpermute_bwd(dout, y, slot_rows, weights):
+    """((dy (S, H), d_weights (T, K)), ()); dy's rows of invalid ids are left unwritten."""
+    t, top_k = slot_rows.shape
+    kern = functools.partial(_unpermute_bwd_kernel, top_k=top_k, bt=K.ROW_BLOCK, bh=K.COL_BLOCK)
+    dy, dw = C.triton_call(kern, name="experts_unpermute_bwd", grid=(C.row_programs(C.cdiv(t, K.ROW_BLOCK)),),
+                           num_warps=4, out_shape=(jax.ShapeDtypeStruct(y.shape, dout.dtype),
+                                                   jax.ShapeDtypeStruct((t, top_k), weights.dtype)))(
+        dout, y, slot_rows, weights)
+    return (dy, dw), ()
+
+
+def glu_fwd(x, row_token, offsets, gate_up_proj, *, act):
+    return K.glu_fwd(x, row_token, offsets, gate_up_proj, kind=_KIND[act]), ()
+
+
+def glu_bwd(dy, gu, offsets, down_proj, *, act):
+    return K.glu_bwd(dy, gu, offsets, down_proj, kind=_KIND[act]), ()
+
+
+def grouped_mm(a, w, offsets):
+    return (K.gmm(a, w, offsets, trans_w=True),), ()
+
+
+def grouped_mm_t(a, w, offsets):
+    return (K.gmm(a, w, offsets, trans_w=False),), ()
+
+
+def grouped_wgrad(a, b, offsets, *b_rows):
+    return (K.grouped_wgrad(a, b, offsets, b_rows[0] if b_rows else None),), ()
