@@ -33,6 +33,12 @@ SHAPES = {
                     num_key_value_heads=2, head_dim=64, vocab_size=151936, rope_theta=1e6),
 }
 SHAPES["gpu_demo"] = dict(SHAPES["qwen05b"], num_hidden_layers=4)
+# the tiny mixture-of-experts fields (8 experts, top-2, expert width 32) of each MoE arch
+MOE_CPU = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+}
 
 
 def model_config(model_type: str, shape: str = "cpu", **overrides):
@@ -41,6 +47,8 @@ def model_config(model_type: str, shape: str = "cpu", **overrides):
     kw = dict(SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
     if model_type == "gemma2":
         kw["query_pre_attn_scalar"] = kw["head_dim"]
+    if shape == "cpu":
+        kw.update(MOE_CPU.get(model_type, {}))
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)
 

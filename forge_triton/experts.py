@@ -3,8 +3,8 @@ node that strings them together: forge/ops/experts.py).
 
 Rows are sorted by expert; ``offsets`` (E,) holds each group's end row on the device. A grouped
 kernel's grid is sized for the worst case, ``cdiv(S, BLOCK_M) + E`` row tiles (each group adds at
-most one partial tile), and each program finds its expert and row range by one pass over the
-offsets; programs past the last tile do nothing. No host sync anywhere: the launch sizes depend
+most one partial tile), and each program finds its expert and row range by one vector pass over
+the offsets; programs past the last tile do nothing. No host sync anywhere: the launch sizes depend
 on S, E and the widths only.
 """
 from __future__ import annotations
@@ -24,28 +24,27 @@ EPI_PLAIN, EPI_GLU, EPI_GLU_BWD = 0, 1, 2
 
 
 def _blocks():
-    # the interpreter runs each program in Python: the smallest tiles tl.dot takes
-    return (16, 16, 16) if _common.INTERPRET else (64, 64, 32)
+    # the interpreter runs each program in Python over numpy blocks: few programs, wide tiles
+    return (16, 64, 64) if _common.INTERPRET else (64, 64, 32)
 
 
 @triton.jit
-def _find_tile(off_ptr, pid_m, E, BLOCK_M: tl.constexpr):
-    """(expert, first row, group end) of row tile ``pid_m``; expert -1 past the last tile."""
-    first = tl.full([], 0, tl.int32)
-    prev = tl.full([], 0, tl.int32)
-    my_e = tl.full([], -1, tl.int32)
-    my_row0 = tl.full([], 0, tl.int32)
-    my_end = tl.full([], 0, tl.int32)
-    for e in range(0, E):
-        end = tl.load(off_ptr + e)
-        n_t = (end - prev + BLOCK_M - 1) // BLOCK_M
-        hit = (pid_m >= first) & (pid_m < first + n_t)
-        my_e = tl.where(hit, e, my_e)
-        my_row0 = tl.where(hit, prev + (pid_m - first) * BLOCK_M, my_row0)
-        my_end = tl.where(hit, end, my_end)
-        first += n_t
-        prev = end
-    return my_e, my_row0, my_end
+def _find_tile(off_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first row, group end) of row tile ``pid_m``; expert -1 past the last tile. One
+    vector pass over the offsets: each group's tile count, their running sum, and the first
+    expert whose running sum passes ``pid_m`` (empty groups add no tile)."""
+    re = tl.arange(0, BLOCK_E)
+    emask = re < E
+    ends = tl.load(off_ptr + re, mask=emask, other=0)
+    starts = tl.load(off_ptr + re - 1, mask=emask & (re > 0), other=0)
+    n_t = tl.where(emask, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(n_t, 0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    mine = re == e
+    first = tl.sum(tl.where(mine, cum - n_t, 0), 0)
+    row0 = tl.sum(tl.where(mine, starts, 0), 0) + (pid_m - first) * BLOCK_M
+    end = tl.sum(tl.where(mine, ends, 0), 0)
+    return tl.where(e < E, e, -1), row0, end
 
 
 # out[s, n] = sum_k a[src(s), k] * W[e](n, k) for the rows s of expert e's group, where
@@ -59,9 +58,9 @@ def _find_tile(off_ptr, pid_m, E, BLOCK_M: tl.constexpr):
 def _experts_grouped_kernel(a_ptr, idx_ptr, w_ptr, off_ptr, out_ptr, gu_ptr, h_ptr,
                             E, N, K, s_am, s_we, s_wn, s_wk, s_om, s_gm, s_hm,
                             GATHER: tl.constexpr, EPI: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
-                            UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    e, row0, end = _find_tile(off_ptr, tl.program_id(0), E, BLOCK_M)
+                            UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    e, row0, end = _find_tile(off_ptr, tl.program_id(0), E, BLOCK_M, BLOCK_E)
     if e >= 0:
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < end
@@ -199,7 +198,8 @@ def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None):
             a, idx if idx is not None else offsets, w, offsets, dummy, gu if gu is not None else dummy,
             h if h is not None else dummy, e_n, n, k, a.stride(0), w.stride(0), s_wn, s_wk, dummy.stride(0),
             gu.stride(0) if gu is not None else 0, h.stride(0) if h is not None else 0,
-            GATHER=idx is not None, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **_meta(a.dtype))
+            GATHER=idx is not None, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            BLOCK_E=max(2, _common.next_pow2(e_n)), **_meta(a.dtype))
     return out, gu, h
 
 

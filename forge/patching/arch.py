@@ -1,7 +1,7 @@
 """The architecture table: data, read by the one generic walker in ``core.py``.
 
 Each entry says, for one ``config.model_type``, where the kernels apply and with which numerics
-(checked against the installed transformers' modeling code, 5.17 and 5.24):
+(checked against the installed transformers' modeling code, 5.17 and 5.24; the MoE ones 5.25):
 
 - ``norms``: attribute names of the RMSNorm modules (per decoder layer, plus the final ``norm``),
   with the casting convention and weight offset of ``forge.spec.rmsnorm``: llama/qwen/mistral
@@ -80,6 +80,11 @@ ARCHS: dict[str, Arch] = {
     "qwen2": Arch("qwen2", _LLAMA_NORMS, "llama", 0.0, "swiglu", "hidden_act"),
     # per-head q/k norms (width head_dim), applied before RoPE
     "qwen3": Arch("qwen3", _LLAMA_NORMS + ("q_norm", "k_norm"), "llama", 0.0, "swiglu", "hidden_act"),
+    # mixture of experts (transformers 5.x 3-D expert weights: forge.patching.experts); the dense
+    # parts as above. olmoe's q/k norms span the whole projection (hidden, kv heads x head_dim)
+    "qwen3_moe": Arch("qwen3_moe", _LLAMA_NORMS + ("q_norm", "k_norm"), "llama", 0.0, "swiglu", "hidden_act"),
+    "mixtral": Arch("mixtral", _LLAMA_NORMS, "llama", 0.0, "swiglu", "hidden_act"),
+    "olmoe": Arch("olmoe", _LLAMA_NORMS + ("q_norm", "k_norm"), "llama", 0.0, "swiglu", "hidden_act"),
     "gemma": Arch("gemma", _LLAMA_NORMS, "gemma", 1.0, "geglu", "hidden_act"),
     # sandwich norms: four per layer
     "gemma2": Arch("gemma2", _LLAMA_NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
@@ -87,3 +92,5 @@ ARCHS: dict[str, Arch] = {
 }
 
 SUPPORTED = tuple(sorted(ARCHS))
+MOE = ("mixtral", "olmoe", "qwen3_moe")  # the expert blocks: forge.patching.experts
+DENSE = tuple(a for a in SUPPORTED if a not in MOE)

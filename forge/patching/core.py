@@ -41,6 +41,7 @@ from ..spec import lora_dropout
 from . import arch as _arch
 from . import args as _args
 from . import decode as _decode
+from . import experts as _experts
 from . import copying
 from . import forwards as fw
 from . import graphs as _graphs
@@ -212,7 +213,7 @@ def _hf_forward(cls) -> bool:
 
 
 def _walk(root, arch, p):
-    norms, mlps, attns = [], [], []
+    norms, mlps, attns, experts = [], [], [], []
     lora_mlps = 0
     for name, mod in root.named_modules():
         cls = type(mod)
@@ -227,10 +228,15 @@ def _walk(root, arch, p):
             mlps.append((name, mod))
         elif cname.endswith(_arch.ATTN_SUFFIX):
             attns.append(mod)
+        elif _experts.is_experts(cls, mod):
+            experts.append((name, mod))
     _apply_rmsnorm(p, arch, norms)
+    if experts and not mlps and p.wants(arch.glu):
+        p.skip(arch.glu, "every MLP of this model is a mixture of experts (the experts kernel)", applies=False)
     _apply_glu(p, arch, mlps, lora_mlps)
     _apply_rope(p, arch, attns)
     _qkv.apply(p, attns)
+    _experts.apply(p, experts, lambda: _ready(p, _experts.KEY, experts, "expert modules"), fw._compiling)
 
 
 def _ready(p, key, found, what):

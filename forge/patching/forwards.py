@@ -378,7 +378,9 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         w = self.lm_head.weight
         # a sharded lm_head (FSDP2 DTensor) is gathered only by its own forward: let HF call it
         plain = type(w) is nn.Parameter or type(w) is torch.Tensor
-        if labels is None or not (isinstance(keep, int) and keep == 0) or not plain:
+        router = a.get("output_router_logits")  # MoE: the auxiliary loss needs eager's forward
+        router = getattr(self.config, "output_router_logits", False) if router is None else router
+        if labels is None or not (isinstance(keep, int) and keep == 0) or not plain or router:
             if not _compiling():
                 ks.fallback += 1
             return inner(self, *args, **kwargs)

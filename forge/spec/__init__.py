@@ -8,7 +8,7 @@ patching layer (``forge.patching``); every layer above reads its math and checks
 ``tests/test_layers.py`` checks the order."""
 from . import experts, geglu, rmsnorm, rope, swiglu, tolerance
 
-KERNELS = ("rmsnorm", "swiglu", "geglu", "rope", "fused_linear_ce", "lora_qkv", "lora_o", "lora_mlp")
+KERNELS = ("rmsnorm", "swiglu", "geglu", "rope", "fused_linear_ce", "lora_qkv", "lora_o", "lora_mlp", "experts")
 # kernels whose cost scales with the activation size of one call: the per-call guard applies
 SHAPE_SENSITIVE = ("rmsnorm", "swiglu", "geglu", "rope")
 

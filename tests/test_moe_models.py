@@ -1,0 +1,135 @@
+"""Mixture-of-experts models (qwen3_moe, mixtral, olmoe), tiny and random, patched against
+unpatched: loss, logits and every parameter gradient against a float64 copy (the oracle's rule,
+tests/oracle.py), the expert modules run by forge's experts kernel, the router's auxiliary loss,
+greedy generation, unpatch bit-identical, and the expert modules forge declines (peft LoRA on the
+expert weights, a swapped activation) with their reasons. One layer each: the experts kernel is
+the costly part in the interpreters."""
+from __future__ import annotations
+
+from forge import _runtime
+
+_runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import forge  # noqa: E402
+from forge import ops  # noqa: E402
+from forge.__main__ import build_model  # noqa: E402
+from forge.errors import BackendUnavailableError  # noqa: E402
+from forge.patching import arch as arch_table  # noqa: E402
+from test_models import assert_model_close, batch, reduction_length, run  # noqa: E402
+
+# per arch on the one-layer tiny model: 2 norms per layer (+2 q/k norms) and the final norm;
+# one attention, one expert module, one lm_head; written out so a wrong table entry fails here
+TINY_COUNTS = {
+    "qwen3_moe": {"rmsnorm": 5, "rope": 1, "experts": 1, "fused_linear_ce": 1},
+    "mixtral": {"rmsnorm": 3, "rope": 1, "experts": 1, "fused_linear_ce": 1},
+    "olmoe": {"rmsnorm": 5, "rope": 1, "experts": 1, "fused_linear_ce": 1},
+}
+
+
+def need_experts(backend):
+    ok, why = ops.availability(backend)
+    if not ok:
+        pytest.skip(why)
+    try:
+        ops.get("experts", backend)
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
+
+
+def _model(model_type, **kw):
+    return build_model(model_type, num_hidden_layers=1, **kw)
+
+
+@pytest.mark.parametrize("backend", ops.BACKENDS)
+@pytest.mark.parametrize("model_type", arch_table.MOE)
+def test_moe_model_matches_eager(model_type, backend):
+    need_experts(backend)
+    model = _model(model_type)
+    ids, labels = batch(model, 2, 4, "cpu")
+    ref_model = copy.deepcopy(model).double()
+    ref_model.set_experts_implementation("eager")  # torch._grouped_mm takes no float64
+    ref = run(ref_model, ids, labels)
+    eager = run(model, ids, labels)
+    forge.patch(model, backend=backend, min_elements=0)
+    assert dict(model._forge_patched_counts) == TINY_COUNTS[model_type], model._forge_skipped
+    assert "swiglu" not in model._forge_state.info.skipped or "mixture of experts" in model._forge_skipped["swiglu"]
+    patched = run(model, ids, labels)
+    assert_model_close(patched, eager, ref, torch.float32, reduction_length(model, ids))
+    assert model._forge_guard_stats.fused("experts") >= 2  # the training step and the logits call
+    forge.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, eager[1]), "unpatch did not restore bit-identical logits"
+
+
+def test_router_aux_loss_unchanged():
+    """With output_router_logits the loss includes the load-balancing loss: the patched model
+    gives eager's aux_loss and total loss (the fused loss then runs eager's forward)."""
+    model = _model("qwen3_moe", router_aux_loss_coef=0.5)
+    ids, labels = batch(model, 2, 4, "cpu", seed=1)
+    want = model(ids, labels=labels, output_router_logits=True)
+    forge.patch(model, backend="triton", min_elements=0)
+    got = model(ids, labels=labels, output_router_logits=True)
+    assert got.aux_loss is not None and got.router_logits is not None
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=0, atol=0)  # the router is eager's
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert model._forge_guard_stats.fused("experts") == 1
+
+
+def test_generate_token_identical():
+    """Greedy decoding (prefill, then one token per step: the decode shape of the expert block)
+    gives eager's tokens (the patched forward replaces whichever experts implementation the
+    config names; here transformers' eager loop)."""
+    model = _model("mixtral").eval()
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    forge.patch(model, mode="infer", backend="triton", min_elements=0)
+    assert model._forge_patched_counts["experts"] == 1
+    got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+    assert model._forge_guard_stats.fused("experts") >= 4
+
+
+def test_peft_lora_on_expert_weights_is_declined():
+    """peft's target_parameters LoRA lives in a parametrization of the 3-D weights: forge's
+    kernel would drop it, so the module keeps its forward, with the reason recorded."""
+    peft = pytest.importorskip("peft")
+    model = _model("qwen3_moe")
+    cfg = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"])
+    model = peft.get_peft_model(model, cfg)
+    for n, p in model.named_parameters():  # B is zero at init: give the adapter an effect
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    ids = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+    forge.patch(model, backend="triton", min_elements=0)
+    assert "experts" not in model._forge_patched_counts
+    assert "peft wraps its expert weights" in model._forge_skipped["experts"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_swapped_activation_is_declined_then_falls_back():
+    model = _model("olmoe")
+    experts = model.model.layers[0].mlp.experts
+    experts.act_fn = torch.nn.GELU()
+    forge.patch(model, backend="triton", min_elements=0, kernels=["experts"])
+    assert "experts" not in model._forge_patched_counts
+    assert "calls GELU, not silu" in model._forge_skipped["experts"]
+    forge.unpatch(model)
+    experts.act_fn = torch.nn.SiLU()
+    forge.patch(model, backend="triton", min_elements=0, kernels=["experts"])
+    assert model._forge_patched_counts == {"experts": 1}
+    experts.act_fn = torch.nn.GELU()  # swapped after patching: the call runs the module's own code
+    ids = torch.randint(0, 256, (1, 3))
+    with torch.no_grad():
+        model(ids)
+    assert model._forge_guard_stats.fallback("experts") == 1
