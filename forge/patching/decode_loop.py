@@ -254,7 +254,7 @@ def why_not_hook(args, kwargs) -> str | None:
         from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMixin  # noqa: F401
     except ImportError:
         return "this transformers has no GENERATION_MODES_MAPPING"
-    if not hasattr(GenerationMixin, "_extract_generation_mode_kwargs") or not hasattr(GenerationMixin, "_prefill"):
+    if not hasattr(GenerationMixin, "_extract_generation_mode_kwargs"):
         return "this transformers' generate() takes no callable custom_generate"
     if len(args) > 1:
         return "positional arguments after the inputs"
@@ -295,7 +295,8 @@ def generate(decoder, model, input_ids, logits_processor, stopping_criteria, gen
         if why is None:
             return out
         decoder.slot.reset()  # the prompt ran: transformers' method starts again from an empty cache
-    decoder.graphs.stats.count("device loop: " + why)
+    if why:  # ("": already counted as "generate: <reason>")
+        decoder.graphs.stats.count("device loop: " + why)
     return _fallback(*args)
 
 
@@ -305,13 +306,15 @@ def _why_not(d, model, input_ids, logits_processor, stopping_criteria, cfg, sync
     if mode not in ("greedy_search", "sample"):
         return f"generation mode {mode}"
     if slot is None or model_kwargs.get(d.cache_name) is not slot.cache:
-        return "forge's static cache does not serve the call (see the generate: reason)"
+        return ""  # forge's static cache does not serve the call: counted as "generate: <reason>"
     if not slot.buildable:
         return "sliding-window cache layers"
     if not d.servable:
         return f"{type(model).__name__} prepares its own generate() inputs"
     if synced_gpus or streamer is not None:
         return "synced_gpus or a streamer"
+    if model._forward_hooks or model._forward_pre_hooks:  # (the loop calls the class's forward)
+        return "forward hooks on the model"
     extra = model_kwargs.keys() - _SAMPLE_KWARGS - {d.cache_name}
     if extra:
         return f"arguments {sorted(extra)}"
@@ -334,7 +337,11 @@ def _serve(d, model, input_ids, logits_processor, stopping_criteria, cfg, synced
     slot, (b, n) = d.slot, input_ids.shape
     if not n < plan.max_length <= slot.capacity + 1:
         return None, f"max_length {plan.max_length} not in (prompt {n}, cache {slot.capacity} + 1]"
-    outputs = model._prefill(input_ids, cfg, model_kwargs)  # (forge's forward: into the static cache)
+    # the prompt's forward, as transformers' loop runs it (forge's forward: into the static cache)
+    if hasattr(type(model), "_prefill"):  # transformers 5.24 and later
+        outputs = model._prefill(input_ids, cfg, model_kwargs)
+    else:
+        outputs = model(**type(model).prepare_inputs_for_generation(model, input_ids, **model_kwargs), return_dict=True)
     # the masks transformers would build for the first decoding step: of a form the step builds?
     kw = type(model)._update_model_kwargs_for_generation(model, outputs, dict(model_kwargs))
     nxt = torch.cat([input_ids, input_ids[:, -1:]], 1)
