@@ -99,6 +99,11 @@ def test_eos_pads_finished_rows_and_stops_as_transformers(when, fake_graphs):
     else:
         assert want.shape[1] == 5 + new and (want[1, 5 + 5:] == 7).all()  # row 1 padded after its eos
     assert model._forge_graphs.decode.loop_calls == 1
+    # a graph reads the eos ids at the address it was captured with: a later call with the same
+    # settings must hand it the same tensor, not a new one
+    loop = next(iter(model._forge_graphs.decode.slots.values())).loop
+    eos_t = loop.eos
+    assert torch.equal(_gen(model, ids, **kw), want) and loop.eos is eos_t
 
 
 def test_min_new_tokens_and_max_length(fake_graphs):

@@ -123,6 +123,7 @@ class Loop:
         self.ran = 0  # uncaptured steps on this cache (warm-up before the first capture)
         self.eos = None  # (plan.eos as a device tensor, for the plan in flight)
         self.min_eos = []  # per processor: (V,) bool, the eos ids of a min_length one
+        self.consts: dict[tuple, tuple] = {}  # (plan key, vocabulary) -> (eos, min_eos), kept
         self.plan = None
         self.form = None
         self.forward = None
@@ -174,12 +175,15 @@ class Loop:
         """Set the buffers for a call: its plan, mask form and forward, the prompt's 2-D mask
         (None: no padding), position ids (B, L) and length, and the vocabulary size."""
         self.plan, self.form, self.forward = plan, form, forward
-        dev = self.ids.device
-        self.eos = None if plan.eos is None else torch.tensor(plan.eos, device=dev)
-        # (device tensors made now: a capture cannot copy from the host)
-        self.min_eos = [None if kind == "warp" else torch.isin(torch.arange(vocab, device=dev),
-                                                                torch.tensor(p[1], device=dev))
-                        for kind, p in plan.procs]
+        # the plan's device constants: made before any capture (which cannot copy from the host),
+        # and kept per plan, since its graphs read them at the addresses they were captured with
+        if (plan.key, vocab) not in self.consts:
+            dev = self.ids.device
+            eos = None if plan.eos is None else torch.tensor(plan.eos, device=dev)
+            mins = [None if kind == "warp" else torch.isin(torch.arange(vocab, device=dev), torch.tensor(p[1], device=dev))
+                    for kind, p in plan.procs]
+            self.consts[(plan.key, vocab)] = eos, mins
+        self.eos, self.min_eos = self.consts[(plan.key, vocab)]
         slot = self.slot
         slot.load_keep(mask2d)
         if mask2d is not None:
