@@ -4,12 +4,16 @@ torch.compile, in one process on one model.
 
     python bench/bench_generate.py [--out DIR] [--batches 1,8,32] [--prompts 128,1024] [--new 256]
     python bench/bench_generate.py --quick      # tiny CPU smoke test
+    # the device loop against forge's host loop at the Llama-3.1-8B shape (H200):
+    python bench/bench_generate.py --model llama3-8b --batches 1,8,32 --prompts 128,2048 --new 256 \
+        --variants "eager,forge graphs,forge graphs loop,static + compile"
 
 Per (batch, prompt length) and variant: greedy generate() of --new tokens (min_new_tokens too,
 so every run decodes them all) from random prompts. ``first_s`` is the variant's first call
 (forge graphs: its captures; static + compile: its compilation; ``first_extra_s`` is what it took
 beyond a timed call), ``ttft_ms`` the median time of
-``TTFT_CALLS`` calls of generate(max_new_tokens=1), ``ttft_eager_ms`` that of an unpatched copy's
+``TTFT_CALLS`` calls of generate(max_new_tokens=1), ``ms_token`` the wall time per decoding
+step after the first token ((total_s - ttft) / (new - 1)), ``ttft_eager_ms`` that of an unpatched copy's
 calls interleaved with them, plain generate (compare these two: the host's speed drifts between
 variants), ``total_s`` the median of --reps timed full calls, ``tok_s`` =
 batch x new / total_s and ``decode_tok_s`` = batch x (new - 1) / (total_s - ttft). ``peak_MiB``
@@ -47,11 +51,13 @@ from presets import PRESETS, build  # noqa: E402
 
 TTFT_CALLS = 10  # generate(max_new_tokens=1) calls per case, median taken (tens of ms each; 3 left the
 # median at batch 1 wandering by 10 ms between runs)
-VARIANTS = ("eager", "forge", "forge graphs", "static + compile")
+VARIANTS = ("eager", "forge", "forge graphs", "forge graphs loop", "static + compile")
+# "forge graphs": generate()'s own loop around replayed steps (decode.device_loop off);
+# "forge graphs loop": the same with the device loop on (forge/patching/decode_loop.py)
 # diagnostic, by --variants only: forge graphs with SDPA in the decoding steps in place of the
 # backend's decoding attention kernel (what the kernel is worth, side by side)
 EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs")  # (the second: the Pallas backend, min_elements=0)
-COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ttft_ms", "ttft_eager_ms", "total_s",
+COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ms_token", "ttft_ms", "ttft_eager_ms", "total_s",
            "first_s", "first_extra_s", "peak_MiB", "pool_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
 
 
@@ -84,8 +90,9 @@ def _setup(model, variant, quick):
         forge.patch(model, mode="infer", backend="triton", kernels=kernels)
     elif variant == "forge pallas graphs":
         forge.patch(model, mode="infer", backend="pallas", kernels=kernels, graphs=True, min_elements=0)
-    elif variant in ("forge graphs", "forge graphs sdpa"):
+    elif variant in ("forge graphs", "forge graphs sdpa", "forge graphs loop"):
         forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
+        model._forge_graphs.decode.device_loop = variant == "forge graphs loop"
         if variant == "forge graphs sdpa":
             model._forge_graphs.decode.attention = None  # (read when a cache is made: none is yet)
     return {"cache_implementation": "static"} if variant == "static + compile" else {}
@@ -161,6 +168,7 @@ def run_case(model, variant, ids, mask, new, reps, quick, want, pristine):
         row["tok_s"] = b * new / row["total_s"]
         decode_s = row["total_s"] - row["ttft_ms"] / 1e3
         row["decode_tok_s"] = b * (new - 1) / decode_s if decode_s > 0 else None  # (CPU noise)
+        row["ms_token"] = 1e3 * decode_s / (new - 1) if decode_s > 0 and new > 1 else None  # wall time per decoding step
         if want is not None:
             row["same_tokens"] = (out == want).all(-1).float().mean().item()
             new_out, new_want = out[:, ids.shape[1]:], want[:, ids.shape[1]:]
@@ -169,9 +177,10 @@ def run_case(model, variant, ids, mask, new, reps, quick, want, pristine):
         g = getattr(model, "_forge_graphs", None)
         if g is not None:
             st = g.stats
-            why = {k: v for k, v in st.why.items() if "generate" in k or "decoding" in k}
-            row["note"] = f"decode steps replayed {st.decode_replayed}, captures {st.decode_captures}" + (
-                f", uncaptured {why}" if why else "")
+            why = {k: v for k, v in st.why.items() if "generate" in k or "decoding" in k or "loop" in k}
+            loop = g.decode.loop_calls if g.decode is not None else 0
+            row["note"] = (f"decode replays {st.decode_replayed}, captures {st.decode_captures}, device-loop calls "
+                           f"{loop}" + (f", uncaptured {why}" if why else ""))
         return row, out
     except Exception as e:  # noqa: BLE001 - report, do not hide
         row["note"] = f"failed: {type(e).__name__}: {e}"[:300]

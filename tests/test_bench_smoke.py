@@ -176,11 +176,11 @@ def test_bench_generate_quick(tmp_path):
     _run("bench_generate.py", ["--quick"], tmp_path)
     rows = _rows(tmp_path, "bench_generate")
     assert {"batch", "prompt", "variant", "tok_s", "ttft_ms", "first_s", "same_tokens"} <= rows[0].keys()
-    assert [r["variant"] for r in rows] == ["eager", "forge", "forge graphs", "static + compile"]
-    assert all(float(r["tok_s"]) > 0 for r in rows[:3])
-    # no CUDA: the graphs variant's generate() runs as before, and says why
-    assert "the model is on cpu" in rows[2]["note"] and "skipped" in rows[3]["note"]
-    assert float(rows[1]["same_tokens"]) == 1.0 and float(rows[2]["same_tokens"]) == 1.0
+    assert [r["variant"] for r in rows] == ["eager", "forge", "forge graphs", "forge graphs loop", "static + compile"]
+    assert all(float(r["tok_s"]) > 0 and float(r["ms_token"]) > 0 for r in rows[:4])
+    # no CUDA: the graphs variants' generate() runs as before, and says why
+    assert all("the model is on cpu" in r["note"] for r in rows[2:4]) and "skipped" in rows[4]["note"]
+    assert all(float(r["same_tokens"]) == 1.0 for r in rows[1:4])
     import importlib.util
 
     # the plot is drawn whenever matplotlib imports (not a test dependency)

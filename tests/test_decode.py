@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import forge  # noqa: E402
 from forge.__main__ import build_model  # noqa: E402
-from forge.patching import decode, decode_runtime  # noqa: E402
+from forge.patching import decode, decode_loop, decode_runtime  # noqa: E402
 from forge.spec import tolerance  # noqa: E402
 
 ARCHS = ["qwen2", "qwen3", "gemma", "gemma2"]
@@ -71,6 +71,13 @@ class _FakeGraphs:
         self.outside += not self.depth
         out = fn()
         return _FakeGraph(fn, out), out
+
+
+@pytest.fixture(autouse=True)
+def _host_loop(monkeypatch):
+    # these tests are of generate()'s own loop around replayed steps: the device loop
+    # (tests/test_decode_loop.py) stays off whatever its default
+    monkeypatch.setattr(decode_loop, "DEVICE_LOOP", False)
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ from torch import nn
 
 from .. import ops
 from ..ops.gated_mlp import _any_autocast
+from . import decode_loop
 from . import decode_runtime as rt
 
 BUCKET = 256  # static cache lengths are multiples of this
@@ -206,6 +207,9 @@ class Decoder:
         self.device = None  # the model's, for the call in flight
         self.prefills = 0  # prompts run as into a DynamicCache, written into the static one
         self.prepared = 0  # decoding steps whose inputs forge prepared (no 4-D masks on the host)
+        self.device_loop = decode_loop.DEVICE_LOOP  # serve whole calls on the device (decode_loop.py)
+        self.loop_calls = 0  # generate() calls the device loop served
+        self.loop_tokens = 0  # tokens it generated (new positions x batch)
         self.pending = None  # (input_ids handed to the forward, the 2-D mask, prepare's key): the
         # decoding step transformers' prepare just ran for, whose masks the forward may check
         self._mods = list(root.modules())
@@ -225,6 +229,12 @@ class Decoder:
         if model is not self.root or self.armed:
             return type(model).generate(model, *args, **kwargs)
         self.armed = True
+        if self.device_loop:
+            why = decode_loop.why_not_hook(args, kwargs)
+            if why is None:
+                kwargs = {**kwargs, "custom_generate": functools.partial(decode_loop.generate, self)}
+            else:
+                self.graphs.stats.count("device loop: " + why)
         try:
             with rt.BACKEND.serve(model.device):  # (on the capture stream: see CudaGraphs.serve)
                 return type(model).generate(model, *args, **kwargs)

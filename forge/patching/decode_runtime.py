@@ -292,6 +292,7 @@ class CachedSteps:
         # masks can be built in the graph only where every layer attends to the whole cache
         self.buildable = all(type(ly) is StaticLayer for ly in cache.layers)
         self.steps: dict[tuple, _Step] = {}
+        self.loop = None  # the device loop's buffers and graphs on this cache (decode_loop.Loop)
         self.seen: dict[tuple, int] = {}
         self.failed: dict[tuple, str] = {}
         self.forms: dict[tuple, MaskForm | None] = {}  # per signature: the checked form; None: it failed
@@ -303,11 +304,13 @@ class CachedSteps:
 
     def stale(self) -> bool:
         """Steps captured before torch's cuBLAS workspaces were last cleared (graphs.watch_workspaces)."""
-        return bool(self.steps) and self.epoch != workspace_epoch()
+        held = self.steps or (self.loop is not None and self.loop.graphs)
+        return bool(held) and self.epoch != workspace_epoch()
 
     def drop_steps(self):
         """Forget the captured steps (their graphs and static buffers): captured again as they come."""
         self.steps.clear()
+        self.loop = None
         self.fast.clear()
         self.seen.clear()
 
