@@ -232,7 +232,12 @@ def test_device_loop_greedy_gpu(model_type, loop_on):
     _check_generate(model, ids, mask, 2 * decode_loop.CHUNK + 3, torch.bfloat16, torch.float32, backend="triton",
                     graphs=True)
     d, st = model._forge_graphs.decode, model._forge_graphs.stats
-    assert d.loop_calls == 1 and st.decode_captures == 2 and not [w for w in st.why if "capture failed" in w], st
+    # captures: the loop's chunk of CHUNK steps and its single tail step, and the host loop's
+    # step (the forced-logits calls of _check_generate ask for return_dict_in_generate, which the
+    # device loop leaves to transformers' loop around forge's replayed step)
+    assert d.loop_calls == 1 and st.decode_captures == 3, st
+    assert st.why["device loop: return_dict_in_generate"] == 2, st
+    assert not [w for w in st.why if "capture failed" in w], st
     # the host loop (same kernels, same cache) gives the same tokens
     kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -261,8 +266,15 @@ def test_device_loop_sampling_and_eos_gpu(loop_on):
         assert torch.equal(a, c) and a.shape == (b, 16 + 29), "the same seed gave different samples"
         from test_decode import _forced_logits
 
-        logits = _forced_logits(ref, ids, mask, a)
-        assert (logits.topk(20, dim=-1).indices == a[:, 16:, None]).any(-1).all()
+        # every sampled token within the top 20 up to rounding: a random-weight model's logits are
+        # near-flat, so its 20th and 21st logits tie within bf16 rounding, which differs between
+        # the loop's captured chunk and the host loop's step (the H200 run of 2026-12-04 saw one
+        # token of forge's own 21st rank); the rule: within twice the patched-vs-eager logit
+        # error of eager's 20th best (the greedy rule of test_decode._check_generate)
+        e, p = _forced_logits(ref, ids, mask, a), _forced_logits(model, ids, mask, a)
+        picked = a[:, 16:, None]
+        err = (p - e).abs().amax(-1)
+        assert (e.gather(-1, picked).squeeze(-1) >= e.topk(20, dim=-1).values[..., -1] - 2 * err).all()
         # eos: rows end and pad as in forge's host loop (the same kernels: greedy tokens compare)
         free = _gen(model, ids, attention_mask=mask, max_new_tokens=29)[:, 16:]
         eos = sorted({int(free[r, min(r, 20)]) for r in range(b)})
@@ -271,6 +283,10 @@ def test_device_loop_sampling_and_eos_gpu(loop_on):
         d.device_loop = False
         off = _gen(model, ids, **g)
         d.device_loop = True
-        assert torch.equal(on, off) and (on[:, 16:] == 3).any()
+        assert torch.equal(on, off)
+        if b == 1:  # its only row ends at its first token: generate() stops there, nothing to pad
+            assert on.shape[1] == 16 + 1 and int(on[0, 16]) in eos, on
+        else:  # row 0 ends at its first token and is padded while the others go on
+            assert (on[0, 17:] == 3).all() and (on[:, 16:] == 3).any(), on
     assert d.loop_calls == 3 * 6, d.loop_calls
     assert not [w for w in model._forge_graphs.stats.why if "capture failed" in w]

@@ -48,7 +48,7 @@ def without(case, spec, *projs):
         case["tensors"].pop(f"b_{p}")
         case["kwargs"].update({f"a_{p}": None, f"b_{p}": None})
     case["diff"] = tuple(n for n in case["diff"] if n.rpartition("_")[2] not in projs)
-    adapters = {k: v for k, v in case["kwargs"].items() if k.startswith(("a_", "b_"))}
+    adapters = {k: v for k, v in case["kwargs"].items() if k.startswith(("a_", "b_", "bias_"))}  # (None ones)
     case["reductions"] = spec.reductions(**case["tensors"], **adapters)
     return case
 

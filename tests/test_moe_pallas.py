@@ -160,4 +160,6 @@ def test_native_launch_at_the_qwen3_moe_shape(launcher):
     every piece natively launched (Triton-compiled, on torch's stream: no pass declined, no
     DLPack), agreeing with the JAX + DLPack path."""
     st = _native_agrees(_block("cuda", torch.bfloat16, 4096, 2048, 768, 128, 8), torch.bfloat16, 2048 * 8)
-    assert st["kernels"] >= 7 and st["compiles"] >= 1, st
+    # (not st["compiles"]: a module an earlier process on this machine compiled comes from
+    # Triton's cache on disk, with no triton.compile call in this one)
+    assert st["kernels"] >= 7, st
