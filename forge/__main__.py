@@ -40,6 +40,13 @@ MOE_CPU = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
 }
 
+# and at the real widths (GPU): the Qwen3-30B-A3B / OLMoE expert widths, Mixtral's 8 experts top-2
+MOE_REAL = {
+    "qwen3_moe": dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=1792),
+    "olmoe": dict(num_experts=64, num_experts_per_tok=8, intermediate_size=1024),
+}
+
 
 def model_config(model_type: str, shape: str = "cpu", **overrides):
     from transformers import AutoConfig
@@ -47,8 +54,7 @@ def model_config(model_type: str, shape: str = "cpu", **overrides):
     kw = dict(SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
     if model_type == "gemma2":
         kw["query_pre_attn_scalar"] = kw["head_dim"]
-    if shape == "cpu":
-        kw.update(MOE_CPU.get(model_type, {}))
+    kw.update((MOE_CPU if shape == "cpu" else MOE_REAL).get(model_type, {}))
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)
 

@@ -37,7 +37,8 @@ def pytest_cmdline_main(config):
 # path); their gpu-marked cases are the same checks on CUDA at real shapes.
 CPU_TENSOR_MODULES = ("test_patching.py", "test_lora_patching.py", "test_flce_contract.py",
                       "test_patching_edges.py", "test_fsdp.py", "test_trainer.py",
-                      "test_sft_trainer.py", "test_save_reload.py", "test_patching_faithful.py")
+                      "test_sft_trainer.py", "test_save_reload.py", "test_patching_faithful.py",
+                      "test_moe_models.py")
 
 
 def pytest_collection_modifyitems(config, items):
