@@ -151,7 +151,7 @@ def main(argv=None):
     runs = {}
     for name in names:  # build, patch, compile (the first call) each variant's own copy
         torch.manual_seed(0)
-        model = build(a.model, dtype, dev)
+        model = build(a.model, dtype, dev, layers=a.layers)
         model.train(a.mode == "train")
         if a.mode == "train":
             model.requires_grad_(True)

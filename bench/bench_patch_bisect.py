@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import _common as bc  # noqa: E402
 import forge  # noqa: E402
 from forge.patching.graphs import graph_pool_bytes  # noqa: E402
-from presets import PRESETS, add_step_arguments, build  # noqa: E402
+from presets import PRESETS, add_step_arguments, build, is_moe  # noqa: E402
 
 COLUMNS = ["variant", "step_ms", "speedup", "vs_first_backend", "peak_MiB", "mem_frac", "reserved_MiB",
            "reserved_frac", "graph_held_MiB", "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
@@ -133,7 +133,7 @@ def _run(name, model, a, ids, compile_=False):
 
 
 
-def _rounds(variants, model, a, ids):
+def _rounds(variants, model, a, ids, impls=()):
     """Time the patchable variants (eager, each kernel, all) in ``a.rounds`` rotations, patching
     and unpatching each time: this host's step time drifts by tens of percent over minutes and
     between processes, and a rotation spreads the drift over every variant alike. Step time is
@@ -144,6 +144,8 @@ def _rounds(variants, model, a, ids):
     for r in bc.progress(range(a.rounds), "rounds"):
         for label, ks, kw in variants:
             row = rows[label]
+            if impls:  # transformers' experts implementation (forge's experts node replaces either)
+                model.set_experts_implementation(kw.get("experts_impl", impls[0]) if ks is False else impls[0])
             if ks is not False:
                 kw = {"min_elements": a.min_elements, "backend": a.backends[0], **kw}
                 forge.patch(model, mode=a.mode, kernels=ks, **kw)
@@ -223,6 +225,9 @@ def main(argv=None):
                    help="also every kernel with the decoder layers in CUDA graphs (forge.patch(graphs=True))")
     p.add_argument("--recompute-mlp", action="store_true",
                    help="also every kernel with forge.patch(recompute_mlp=True) (with --graphs: graphs too)"),
+    p.add_argument("--experts-impl", default="grouped_mm", metavar="IMPL[,IMPL...]",
+                   help="MoE presets: transformers' experts implementation(s) timed unpatched (grouped_mm, eager); "
+                        "the first is the baseline every ratio is taken to")
     p.add_argument("--no-single", action="store_true", help="skip the one-kernel-at-a-time variants")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rotations over the patchable variants")
@@ -234,10 +239,14 @@ def main(argv=None):
     if any(b not in ("triton", "pallas") for b in a.backends):
         p.error(f"--backend: triton, pallas or both, not {a.backend!r}")
     if a.quick:
-        a.model, a.batch, a.seq_len, a.steps, a.warmup, a.rounds = "tiny", 1, 16, 1, 1, 1
+        a.model = "tiny-moe" if is_moe(a.model) else "tiny"
+        a.batch, a.seq_len, a.steps, a.warmup, a.rounds, a.layers = 1, 16, 1, 1, 1, None
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = build(a.model, dtype, dev)
+    model = build(a.model, dtype, dev, layers=a.layers)
+    lora_arg = a.lora
+    if a.lora and is_moe(a.model) and len(a.lora.split(",")) == 3:
+        a.lora += ",q_proj,k_proj,v_proj,o_proj"  # the attention (the experts' 3-D weights are no Linear modules)
     if a.lora:
         model = _lora(model, a.lora)
     model.train(a.mode == "train")
@@ -247,11 +256,18 @@ def main(argv=None):
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, vocab, (a.batch, a.seq_len), generator=g).to(dev)
 
-    glu = "geglu" if PRESETS[a.model]["model_type"].startswith("gemma") else "swiglu"
+    moe = is_moe(a.model)
+    glu = "experts" if moe else "geglu" if PRESETS[a.model]["model_type"].startswith("gemma") else "swiglu"
     keys = ["rmsnorm", glu, "rope"] + (["fused_linear_ce"] if a.mode == "train" else [])
     if a.lora and a.mode == "train":
-        keys += ["lora_qkv", "lora_o", "lora_mlp"]
+        keys += ["lora_qkv", "lora_o"] + ([] if moe else ["lora_mlp"])
     base = "peft (eager)" if a.lora else "eager"
+    impls = a.experts_impl.split(",") if moe else []
+    if moe:
+        bad = [i for i in impls if i not in ("grouped_mm", "eager")]
+        if bad or not hasattr(model, "set_experts_implementation"):
+            p.error(f"--experts-impl: grouped_mm or eager (transformers 5.x), not {bad or a.experts_impl!r}")
+        base = f"{base} [experts {impls[0]}]"
     # (label, kernels, patch keywords); kernels False: unpatched, a list: those alone, None: all
     def every(kw, backend):
         extra = "".join(f" + {k}" for k in kw if k != "min_elements")
@@ -259,7 +275,8 @@ def main(argv=None):
         return (f"forge {backend}: all{extra}{guard}", None, {**kw, "backend": backend})
 
     b0 = a.backends[0]
-    variants = [(base, False, {})] + ([] if a.no_single else [(f"forge {b0}: {k}", [k], {}) for k in keys])
+    variants = [(base, False, {})] + [(base.replace(impls[0], i), False, {"experts_impl": i}) for i in impls[1:]]
+    variants += [] if a.no_single else [(f"forge {b0}: {k}", [k], {}) for k in keys]
     configs = [{}]
     if a.alt_min_elements is not None:
         configs.append({"min_elements": a.alt_min_elements})
@@ -271,7 +288,7 @@ def main(argv=None):
             configs.append({"graphs": True, "recompute_mlp": True})
     # each configuration's backends back to back, so their per-round ratio sees the least drift
     variants += [every(kw, b) for kw in configs for b in a.backends]
-    rows = _rounds(variants, model, a, ids)
+    rows = _rounds(variants, model, a, ids, impls)
     if a.compile and dev.type == "cuda":
         rows.append(_run("torch.compile", model, a, ids, compile_=True))
         extras = [{}] + ([{"recompute_mlp": True}] if a.recompute_mlp and a.mode == "train" else [])
@@ -310,8 +327,8 @@ def main(argv=None):
     bc.print_table(rows, COLUMNS)
     extra = {"args": vars(a), "title": title}
     # runs that add torch.compile or Liger-Kernel are their own case: a plain re-run keeps them
-    lora_tag = "" if not a.lora else "-lora" + ("" if a.lora == "16,32,0.05" else "-" + a.lora.replace(",", "_"))
-    case = (f"{a.model}-{a.mode}-{a.batch}x{a.seq_len}{lora_tag}-{'-'.join(a.backends)}"
+    lora_tag = "" if not a.lora else "-lora" + ("" if lora_arg == "16,32,0.05" else "-" + lora_arg.replace(",", "_"))
+    case = (f"{a.model}{f'-{a.layers}l' if a.layers else ''}-{a.mode}-{a.batch}x{a.seq_len}{lora_tag}-{'-'.join(a.backends)}"
             f"{'-compile' if a.compile else ''}{'-liger' if a.liger else ''}")
     jpath, cpath = bc.write_results(a.out, "bench_patch_bisect", rows, extra, case=case)
     png = _plot(rows, jpath.with_suffix(".png"), title)

@@ -28,11 +28,33 @@ PRESETS = {
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                        tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
                        max_position_embeddings=32768, hidden_act="silu"),
+    # mixtures of experts (published shapes; transformers 5.x 3-D expert weights)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6,
+                          rms_norm_eps=1e-6, max_position_embeddings=40960, hidden_act="silu"),
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                        norm_topk_prob=False, vocab_size=50304, tie_word_embeddings=False, rope_theta=1e4,
+                        rms_norm_eps=1e-5, max_position_embeddings=4096, hidden_act="silu"),
     # --quick: a tiny qwen2 for CPU smoke tests
     "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
                  rms_norm_eps=1e-6, max_position_embeddings=128, hidden_act="silu"),
+    # and a tiny qwen3_moe (4 experts, top-2) for the MoE smoke tests
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                     num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     vocab_size=256, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=128,
+                     hidden_act="silu"),
 }
+
+MOE_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def is_moe(name: str) -> bool:
+    return PRESETS[name]["model_type"] in MOE_TYPES
 
 
 def add_step_arguments(parser, batch: int = 4, seq_len: int = 1024) -> None:
@@ -41,14 +63,20 @@ def add_step_arguments(parser, batch: int = 4, seq_len: int = 1024) -> None:
     parser.add_argument("--mode", default="train", choices=["train", "infer"])
     parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: the preset's; fewer to fit a full fine-tune of a large model)")
 
 
-def build(name: str, dtype, device, attn="sdpa"):
+def build(name: str, dtype, device, attn="sdpa", layers: int | None = None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(PRESETS[name])
     mt = cfg.pop("model_type")
+    if layers is not None:
+        if not 1 <= layers <= cfg["num_hidden_layers"]:
+            raise ValueError(f"--layers {layers}: {name} has {cfg['num_hidden_layers']} decoder layers")
+        cfg["num_hidden_layers"] = layers
     config = AutoConfig.for_model(mt, **cfg)
     torch.manual_seed(0)
     with torch.device(device):

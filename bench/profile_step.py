@@ -206,7 +206,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
     name = "tiny" if a.quick else a.model
-    model = build(name, torch.bfloat16 if dev == "cuda" else torch.float32, dev)
+    model = build(name, torch.bfloat16 if dev == "cuda" else torch.float32, dev, layers=None if a.quick else a.layers)
     if a.lora:
         model = _lora(model, a.lora)
     model.train(a.mode == "train")

@@ -135,7 +135,7 @@ def main(argv=None):
     runs = {}
     for name in a.variants.split(","):
         torch.manual_seed(0)
-        model = build(a.model, dtype, dev)
+        model = build(a.model, dtype, dev, layers=a.layers)
         model.train(True)
         kw = _patch_kw(name)
         if kw is not None:

@@ -36,7 +36,7 @@ def main(argv=None):
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--steps", type=int, default=12)
     a = p.parse_args(argv)
-    model = build(a.model, torch.bfloat16, "cuda")
+    model = build(a.model, torch.bfloat16, "cuda", layers=a.layers)
     model.train()
     forge.patch(model, graphs=True, recompute_mlp=a.recompute)
     n = model.config.num_hidden_layers

@@ -81,7 +81,7 @@ def main(argv=None):
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, PRESETS[a.model]["vocab_size"], (a.batch, a.seq_len), generator=g).to(dev)
     torch.manual_seed(0)
-    model = build(a.model, torch.bfloat16, dev)
+    model = build(a.model, torch.bfloat16, dev, layers=a.layers)
     model.train(a.mode == "train")
     model.requires_grad_(a.mode == "train")
     kw = _patch_kw(name)
