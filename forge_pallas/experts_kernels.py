@@ -129,17 +129,22 @@ def gmm(a, w, offsets, *, trans_w):
                          out_shape=jax.ShapeDtypeStruct((s, n), a.dtype))(a, w, offsets)
 
 
+# the GLU kernels' tile: its expert and rows (_tile_rows), its column block j of the I-wide h,
+# the dtypes, the (rows x columns) mask and the row slice
+def _glu_tile(off_ref, h_ref, *, n_exp, bm, bn):
+    e, any_rows, row0, rows, rmask = _tile_rows(off_ref, n_exp=n_exp, bm=bm)
+    inter, j = h_ref.shape[1], pl.program_id(1)
+    dt = h_ref.dtype
+    cols = j * bn + jnp.arange(bn)
+    mask = rmask[:, None] & (cols < inter)[None, :]
+    return e, any_rows, rows, rmask, inter, j, dt, C.acc_dtype(dt), mask, pl.ds(row0, bm)
+
+
 # gu = x[row_token] @ w[e]^T (w (E, 2I, H): gate rows then up rows; the token rows gathered in the
 # load), g and u rounded to x's dtype; h = act(g) * u in the epilogue (act(g) rounded first, as
 # eager rounds it); gu (S, 2I) kept for backward
 def _glu_fwd_kernel(x_ref, tok_ref, w_ref, off_ref, h_ref, gu_ref, *, n_exp, kind, bm, bn, bk):
-    e, any_rows, row0, rows, rmask = _tile_rows(off_ref, n_exp=n_exp, bm=bm)
-    inter, j = h_ref.shape[1], pl.program_id(1)
-    dt = h_ref.dtype
-    acc = C.acc_dtype(dt)
-    cols = j * bn + jnp.arange(bn)
-    mask = rmask[:, None] & (cols < inter)[None, :]
-    rs = pl.ds(row0, bm)
+    e, any_rows, rows, rmask, inter, j, dt, acc, mask, rs = _glu_tile(off_ref, h_ref, n_exp=n_exp, bm=bm, bn=bn)
 
     def run():
         src = C.load(tok_ref.at[rs], mask=rmask, other=0)
@@ -169,13 +174,7 @@ def glu_fwd(x, row_token, offsets, gate_up_proj, *, kind):
 # be; the GLU's backward in the epilogue: h = act(g) * u  =>  dg = dh * u * act'(g),
 # du = dh * act(g); h recomputed as the forward computed it (the down weight's gradient reads it)
 def _glu_bwd_kernel(dy_ref, w_ref, gu_ref, off_ref, dgu_ref, h_ref, *, n_exp, kind, bm, bn, bk):
-    e, any_rows, row0, rows, rmask = _tile_rows(off_ref, n_exp=n_exp, bm=bm)
-    inter, j = h_ref.shape[1], pl.program_id(1)
-    dt = h_ref.dtype
-    acc = C.acc_dtype(dt)
-    cols = j * bn + jnp.arange(bn)
-    mask = rmask[:, None] & (cols < inter)[None, :]
-    rs = pl.ds(row0, bm)
+    e, any_rows, rows, rmask, inter, j, dt, acc, mask, rs = _glu_tile(off_ref, h_ref, n_exp=n_exp, bm=bm, bn=bn)
 
     def run():
         (dh,) = _product(dy_ref, rows, w_ref, e, j, rmask, (0,), inter, trans_w=False, bn=bn, bk=bk)
