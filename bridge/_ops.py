@@ -23,7 +23,7 @@ def kernels() -> list:
     """Every kernel this backend runs as an op (the fused loss is the op layer's own node)."""
     import importlib
 
-    for mod in ("kernels", "lora"):
+    for mod in ("kernels", "lora", "experts"):
         importlib.import_module(f"{__package__}.{mod}")
     return [k for k in core.registry().values() if k.name != "fused_linear_ce"]
 

@@ -444,7 +444,16 @@ def _kernel_calls(backend):
         keep = torch.tensor([[True] * 5, [False, True, True, True, True]])
         return (f(q, k, v), f(q, k, v, keep), f(q, k, v, torch.zeros(2, 5).masked_fill(~keep, float("-inf"))))
 
+    def experts(f):
+        # the MoE expert block: 5 tokens, top-2 of 3 experts (one routed to by no token: an empty
+        # group), every piece forward and backward
+        idx = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 0], [0, 2]])
+        wts = torch.rand(5, 2, requires_grad=True)
+        return f(torch.randn(5, 16, requires_grad=True), idx, wts, torch.randn(3, 24, 16, requires_grad=True),
+                 torch.randn(3, 16, 12, requires_grad=True))
+
     kernels["lora_qkv"], kernels["lora_mlp"], kernels["mlp_act"] = lora_qkv, lora_mlp, mlp_pieces
+    kernels["experts"] = experts
     kernels["lora_o"] = lora_o
     kernels["decode_attention"] = decode_attention
     return kernels
