@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from forge import ops
+from forge.spec import experts as experts_spec
 from forge.spec import fused_linear_ce as flce_spec
 from forge.spec import gated_mlp as mlp_spec
 from forge.spec import rmsnorm as rmsnorm_spec
@@ -73,6 +74,15 @@ def _cases(key, backend, s, param_dtype, device):
         return (k, mlp_spec.reference, dict(x=rnd(m, h), w_gate=rnd(i, h, scale=h ** -0.5),
                                             w_up=rnd(i, h, scale=h ** -0.5), w_down=rnd(h, i, scale=i ** -0.5)),
                 ("x", "w_gate", "w_up", "w_down"), max(h, i, m))
+    if key == "experts":  # top-2 of 4 experts; the router's scores stay fp32 (softmax under autocast)
+        idx = torch.stack([torch.randperm(4, generator=g, device=device)[:2] for _ in range(m)])
+        i = i // 4
+        tensors = dict(hidden=rnd(m, h), top_k_weights=rnd(m, 2, dtype=torch.float32).softmax(-1),
+                       gate_up_proj=rnd(4, 2 * i, h, scale=h ** -0.5), down_proj=rnd(4, h, i, scale=i ** -0.5))
+        red = max(experts_spec.reductions(tensors["hidden"], idx, tensors["top_k_weights"], tensors["gate_up_proj"],
+                                          tensors["down_proj"]).values())
+        return (lambda **t: k(top_k_index=idx, **t), lambda **t: experts_spec.reference(top_k_index=idx, **t),
+                tensors, tuple(tensors), red)
     labels = torch.randint(0, v, (m,), generator=g, device=device)
     labels[::5] = -100
     return (lambda hidden, weight: k(hidden, weight, labels),
@@ -80,7 +90,7 @@ def _cases(key, backend, s, param_dtype, device):
             dict(hidden=rnd(m, h), weight=rnd(v, h, scale=h ** -0.5)), ("hidden", "weight"), max(v, h, m))
 
 
-KEYS = ("rmsnorm", "swiglu", "rope", "gated_mlp", "fused_linear_ce")
+KEYS = ("rmsnorm", "swiglu", "rope", "gated_mlp", "fused_linear_ce", "experts")
 
 
 def _check(key, backend, shapes, param_dtype, device):

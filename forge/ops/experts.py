@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..spec import experts as spec
+from . import autocast as _autocast
 from ..spec._check import no_double_backward
 
 
@@ -90,6 +91,16 @@ def build(pieces: dict, check_devices=None):
     ops = ExpertsOps(**pieces)
 
     def experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, act="silu"):
+        cast = _autocast.target(hidden.device.type, hidden, gate_up_proj, down_proj) \
+            if isinstance(hidden, torch.Tensor) else None
+        if cast is not None:
+            # eager's expert products run in the autocast dtype (an fp32 model under the Trainer's
+            # bf16=True): so do the node's, on differentiably cast inputs; the scores stay as the
+            # router gave them and the output comes back in hidden's dtype, as eager's sum is
+            out_dtype = hidden.dtype
+            hidden, gate_up_proj, down_proj = (_autocast.cast(t, cast) for t in (hidden, gate_up_proj, down_proj))
+            with _autocast.off(hidden.device.type):
+                return experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act=act).to(out_dtype)
         spec.check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
         if check_devices is not None:
             check_devices(hidden=hidden, gate_up_proj=gate_up_proj, down_proj=down_proj)
