@@ -97,12 +97,13 @@ def elements(x, *_a, **_k) -> int:
 
 def reductions(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, **_k) -> dict:
     """Reduction length behind each output and gradient (scales the tolerance): y sums over I
-    after sums over H; d x over I twice after the sum over H in dh; weights over the rows."""
+    after sums over H; d x over I twice after the sum over H in dh; an adapter's gradient over the
+    rows after the chain behind its factors (dh, the activations, x A^T), at most d x's."""
     h, inter = x.shape[-1], w_gate.shape[0]
     r = max(0 if a is None else a.shape[0] for a in (a_gate, a_up, a_down))
     rows = x.numel() // max(h, 1)
     out = {"y": h + inter + 2 * r, "x": h + 2 * inter + 3 * r}
-    out.update({f"{m}_{p}": rows for m in "ab" for p in PROJ})
+    out.update({f"{m}_{p}": rows + out["x"] for m in "ab" for p in PROJ})
     return out
 
 
