@@ -52,6 +52,7 @@ SUMMARY = {
     "profile_step": ("rows", ["variant"], ["ms", "device_busy_ms", "host_self_ms"]),
     "bench_generate": ("rows", ["batch", "prompt", "variant"], ["tok_s", "speedup", "ttft_ms"]),
     "tune_triton": ("rows", ["kernel", "shape", "tile", "progs_per_sm", "warps"], ["fwd_us", "bwd_us"]),
+    "bench_lora_curve": ("summary", [], ["gap_forge_eager", "gap_dropout_noise", "gap_rounding", "within"]),
 }
 # the names results carried before they were named after their scripts (older JSON files)
 RENAMED = {"bridge_overhead": "bench_bridge_overhead", "flce": "bench_flce", "flce_grad_w": "diag_flce_grad_w",
@@ -163,12 +164,14 @@ def history_row(meta: dict, file: str) -> dict:
     bench = RENAMED.get(bench, bench)
     key, labels, values = SUMMARY.get(bench, ("rows", [], []))
     parts = []
-    for r in meta.get(key) or []:
+    held = meta.get(key) or []
+    for r in [held] if isinstance(held, dict) else held:  # (a dict: the run's one summary row)
         # a column the row has but left None is a result (bench_guard: no crossover), one it
         # lacks is not (a backend that did not run)
         vals = [f"{c}={r[c]:.4g}" if isinstance(r[c], float) else f"{c}={r[c]}" for c in values if c in r]
         if vals:
-            parts.append(" ".join(str(r[c]) for c in labels if r.get(c) is not None) + ": " + " ".join(vals))
+            label = " ".join(str(r[c]) for c in labels if r.get(c) is not None)
+            parts.append((label + ": " if label else "") + " ".join(vals))
     dev = env.get("device", "")
     return {"date": env.get("date", ""), "benchmark": bench, "case": meta.get("case", ""),
             "device": "cpu" if dev == "cpu" else dev.split()[-1].lower() if dev else "",

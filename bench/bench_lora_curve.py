@@ -132,22 +132,11 @@ def main(argv=None):
     case = f"{a.model}-{a.backend}"
     jpath, _ = bc.write_results(a.out, "bench_lora_curve", rows, case=case,
                                 extra={"summary": summary, "args": {k: str(v) for k, v in vars(a).items()}})
-    try:
-        import matplotlib
+    import svgplot  # (the standard library only: the curves are drawn on any machine)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for k, v in curves.items():
-            ax.plot(smooth(v, w), label=k)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"loss ({w}-step moving average)")
-        ax.legend()
-        bc.save_figure(fig, f"{a.model} LoRA {a.lora}: loss curves", jpath.with_suffix(".png"))
-    except ImportError:
-        pass
-
+    svgplot.line_chart(jpath.with_suffix(".svg"), {k: smooth(v, w) for k, v in curves.items()},
+                       title=f"{a.model} LoRA {a.lora}: loss curves", xlabel="step",
+                       ylabel=f"loss ({w}-step moving average)")
 
 if __name__ == "__main__":
     main()

@@ -21,9 +21,8 @@ installed Python packages ship (.md/.txt/.rst under site-packages). Text is toke
 model folder's tokenizer if it has one, else with a byte-level BPE trained here with the
 ``tokenizers`` library (vocabulary at most the model's). Nothing is downloaded.
 
-Written to ``--out``: ``loss.csv``, ``loss.png`` (both curves; it needs matplotlib, which the
-``bench`` extra installs: ``pip install ".[bench]"``; without it the run says so and writes the
-rest), ``adapter-<mode>/`` (peft ``save_pretrained``), ``summary.json`` (date, GPU, versions,
+Written to ``--out``: ``loss.csv``, ``loss.svg`` (both curves, drawn with the standard library:
+no extra install), ``adapter-<mode>/`` (peft ``save_pretrained``), ``summary.json`` (date, GPU, versions,
 command, arguments, final losses, step times, tokens/s and peak memory per rank, the relative
 loss difference at every logged step) and, with ``--profile``, ``profile-<mode>.json``: where
 rank 0's step spends its time.
@@ -335,24 +334,12 @@ def write_artifacts(a, out: Path, res: dict, device):
     rel = []
     if len(modes) == 2:
         rel = [abs(f - e) / abs(e) for e, f in zip(res["eager"]["losses"], res["forge"]["losses"])]
-    try:
-        import matplotlib
+    import svgplot  # (bench/, on sys.path above: the standard library only)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for m in modes:
-            ax.plot(range(n), res[m]["losses"], label=f"{m} ({statistics.median(res[m]['step_ms'][5:] or res[m]['step_ms']):.0f} ms/step)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (mean over ranks)")
-        ax.set_title(f"LoRA r={a.lora_r} under FSDP2, {dist.get_world_size()} ranks")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "loss.png", dpi=120)
-        plt.close(fig)
-    except ImportError as e:
-        print(f"no loss.png ({e}): it needs matplotlib, e.g. pip install \".[bench]\" (loss.csv has the curves)")
+    svgplot.line_chart(out / "loss.svg", {
+        f"{m} ({statistics.median(res[m]['step_ms'][5:] or res[m]['step_ms']):.0f} ms/step)": res[m]["losses"]
+        for m in modes}, title=f"LoRA r={a.lora_r} under FSDP2, {dist.get_world_size()} ranks", xlabel="step",
+        ylabel="loss (mean over ranks)")
     versions = {}  # a module not imported yet is read from its installed metadata (importing jax
     for mod in ("torch", "transformers", "peft", "triton", "jax", "tokenizers"):  # costs seconds)
         with contextlib.suppress(importlib.metadata.PackageNotFoundError, AttributeError):

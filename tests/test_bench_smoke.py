@@ -244,3 +244,31 @@ def test_results_are_named_after_the_script(tmp_path, monkeypatch):
     for f in (ROOT / "bench" / "results").iterdir():
         if f.name != "history.csv":
             assert any(f.name.startswith(s + "-") for s in scripts), f"{f.name}: not <script>-<case>-<device>"
+
+
+@pytest.mark.slow
+def test_bench_lora_curve_quick(tmp_path):
+    # the curves' plot is SVG from the standard library: drawn with or without matplotlib
+    _run("bench_lora_curve.py", ["--quick"], tmp_path)
+    rows = _rows(tmp_path, "bench_lora_curve")
+    assert {"step", "eager", "eager, other dropout seed"} <= rows[0].keys()
+    svg = next(tmp_path.glob("bench_lora_curve*.svg")).read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 3
+
+
+def test_svg_line_chart(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import svgplot
+
+    assert svgplot.ticks(0.0, 1.0) == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    t = svgplot.ticks(2.13, 9.7)
+    assert t[0] <= 2.13 and t[-1] >= 9.7 and len(t) <= 7
+    path = svgplot.line_chart(tmp_path / "c.svg", {"a <1>": [3.0, 2.0, float("nan"), 1.0], "b": [1.0, 1.5]},
+                              title="t & u", xlabel="step", ylabel="loss")
+    svg = path.read_text()
+    # both series drawn (the NaN left out of the first), labels escaped
+    assert svg.count("<polyline") == 2 and "a &lt;1&gt;" in svg and "t &amp; u" in svg
+    first = svg.split('<polyline points="')[1].split('"')[0].split()
+    assert len(first) == 3
+    with pytest.raises(ValueError, match="nothing to plot"):
+        svgplot.line_chart(tmp_path / "e.svg", {"a": [float("nan")]})

@@ -264,8 +264,5 @@ def test_finetune_example_quick(tmp_path):
     for row in rows:  # the rule for the example: within 1% at every logged step
         e, f = float(row["loss_eager"]), float(row["loss_forge"])
         assert abs(f - e) <= 0.01 * abs(e), row
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    assert (out / "loss.png").stat().st_size > 0
+    svg = (out / "loss.svg").read_text()  # drawn with no extra install
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2
