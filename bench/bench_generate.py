@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import _common as bc  # noqa: E402
 import forge  # noqa: E402
 from forge.patching.graphs import graph_pool_bytes  # noqa: E402
-from presets import PRESETS, build  # noqa: E402
+from presets import PRESETS, build, is_moe  # noqa: E402
 
 TTFT_CALLS = 10  # generate(max_new_tokens=1) calls per case, median taken (tens of ms each; 3 left the
 # median at batch 1 wandering by 10 ms between runs)
@@ -225,22 +225,30 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS))
     bc.add_out_argument(p)
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU, a few seconds")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
+    p.add_argument("--experts-impl", default="grouped_mm", choices=["grouped_mm", "eager"],
+                   help="MoE presets: transformers' experts implementation the unpatched variants run")
     a = p.parse_args(argv)
     if a.quick:
-        a.model, a.batches, a.prompts, a.new, a.reps = "tiny", "2", "8", 4, 1
+        a.model, a.batches, a.prompts, a.new, a.reps = "tiny-moe" if is_moe(a.model) else "tiny", "2", "8", 4, 1
     variants = [v.strip() for v in a.variants.split(",")]
     bad = [v for v in variants if v not in VARIANTS + EXTRA_VARIANTS]
     if bad:
         p.error(f"unknown variants {bad}; known: {VARIANTS + EXTRA_VARIANTS}")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = build(a.model, dtype, dev).eval()
+    model = build(a.model, dtype, dev, layers=a.layers).eval()
+    if is_moe(a.model):  # (eager and static + compile run it; forge's variants patch the experts)
+        model.set_experts_implementation(a.experts_impl)
     model.generation_config.eos_token_id = None  # random weights: every run decodes all --new tokens
     pristine = copy.deepcopy(model).to("cpu")  # eager's twin for time to first token (run_case)
     vocab = PRESETS[a.model]["vocab_size"]
     rows = []
     title = f"generate(): {a.model}, {a.new} new tokens, {dev.type} {str(dtype).split('.')[-1]}"
-    name = f"{a.model}-b{a.batches.replace(',', '-')}-p{a.prompts.replace(',', '-')}"
+    if is_moe(a.model):
+        title += f", experts {a.experts_impl}"
+    layers = f"-l{a.layers}" if a.layers else ""
+    name = f"{a.model}{layers}-b{a.batches.replace(',', '-')}-p{a.prompts.replace(',', '-')}"
     for b in (int(x) for x in a.batches.split(",")):
         for plen in (int(x) for x in a.prompts.split(",")):
             g = torch.Generator().manual_seed(b * 7919 + plen)

@@ -38,6 +38,10 @@ PRESETS = {
                         num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
                         norm_topk_prob=False, vocab_size=50304, tie_word_embeddings=False, rope_theta=1e4,
                         rms_norm_eps=1e-5, max_position_embeddings=4096, hidden_act="silu"),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                         vocab_size=32000, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-5,
+                         max_position_embeddings=32768, sliding_window=None, hidden_act="silu"),
     # --quick: a tiny qwen2 for CPU smoke tests
     "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
