@@ -23,9 +23,16 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 EPI_PLAIN, EPI_GLU, EPI_GLU_BWD = 0, 1, 2
 
 
-def _blocks():
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel use on the GPU: "plain" the
+# grouped product, "glu" the gate/up product (two accumulators), "glu_bwd" the down product's
+# backward with its epilogue, "wgrad" the weight gradients (K runs over a group's rows)
+TILES = {"plain": (64, 64, 32, 4, 3), "glu": (64, 64, 32, 4, 3), "glu_bwd": (64, 64, 32, 4, 3),
+         "wgrad": (64, 64, 32, 4, 3)}
+
+
+def _tiles(kind):
     # the interpreter runs each program in Python over numpy blocks: few programs, wide tiles
-    return (16, 64, 64) if _common.INTERPRET else (64, 64, 32)
+    return (16, 64, 64, 4, 1) if _common.INTERPRET else TILES[kind]
 
 
 @triton.jit
@@ -178,7 +185,7 @@ def _meta(dt):
 
 def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None):
     """One launch of the grouped kernel over S = len(idx or a) rows; returns (out, gu, h)."""
-    bm, bn, bk = _blocks()
+    bm, bn, bk, warps, stages = _tiles(("plain", "glu", "glu_bwd")[epi])
     s_rows = idx.numel() if idx is not None else a.shape[0]
     e_n = w.shape[0]
     k = a.shape[1]
@@ -199,7 +206,7 @@ def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None):
             h if h is not None else dummy, e_n, n, k, a.stride(0), w.stride(0), s_wn, s_wk, dummy.stride(0),
             gu.stride(0) if gu is not None else 0, h.stride(0) if h is not None else 0,
             GATHER=idx is not None, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            BLOCK_E=max(2, _common.next_pow2(e_n)), **_meta(a.dtype))
+            BLOCK_E=max(2, _common.next_pow2(e_n)), num_warps=warps, num_stages=stages, **_meta(a.dtype))
     return out, gu, h
 
 
@@ -230,7 +237,7 @@ def glu_bwd(dy, gu, offsets, down_proj, act):
 
 
 def grouped_wgrad(a, b, offsets, b_rows):
-    bm, bn, bk = _blocks()
+    bm, bn, bk, warps, stages = _tiles("wgrad")
     a, b = _dense(a), _dense(b)
     e_n, m, n = offsets.numel(), a.shape[1], b.shape[1]
     dw = _common.empty((e_n, m, n), a.dtype, a.device)
@@ -239,7 +246,7 @@ def grouped_wgrad(a, b, offsets, b_rows):
         _experts_wgrad_kernel[grid](a, b, b_rows if b_rows is not None else offsets, offsets, dw, m, n,
                                     a.stride(0), b.stride(0), dw.stride(0), dw.stride(1),
                                     GATHER=b_rows is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                    **_meta(a.dtype))
+                                    num_warps=warps, num_stages=stages, **_meta(a.dtype))
     return dw
 
 

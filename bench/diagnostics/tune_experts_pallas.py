@@ -1,9 +1,11 @@
 """The MoE expert block's pieces, Pallas (natively launched) against Triton, at the
 Qwen3-30B-A3B shape (hidden 2048, moe intermediate 768, 128 experts, top-8, 4096 tokens, bf16):
 each piece's device time (CUDA events on torch's stream, median of 20), and the whole block's
-forward + backward; with ``--sweep`` the Pallas grouped products at a few tile sizes.
+forward + backward; with ``--sweep`` the Pallas grouped products at a few tile sizes, with
+``--sweep-triton`` each Triton piece at a few (tiles, warps, stages), against torch's
+``_grouped_mm`` on the same rows (the products transformers' grouped_mm experts run).
 
-    PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep]
+    PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep] [--sweep-triton]
 """
 from __future__ import annotations
 
@@ -65,10 +67,68 @@ def _block(backend, v):
     return run
 
 
+SHAPES = {"qwen3": dict(h=2048, i=768, e=128, k=8), "olmoe": dict(h=2048, i=1024, e=64, k=8)}
+TRITON_CANDIDATES = {
+    "plain": [(64, 64, 32, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+              (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)],
+    "glu": [(64, 64, 32, 4, 3), (64, 64, 64, 4, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3),
+            (128, 64, 64, 4, 4)],
+    "wgrad": [(64, 64, 32, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
+              (64, 128, 64, 4, 4), (128, 128, 64, 4, 3)],
+}
+TRITON_PIECES = {"plain": ("grouped_mm (down)", "grouped_mm_t (dx)"), "glu": ("glu_fwd",), "wgrad": (
+    "wgrad (down)", "wgrad (gate_up)")}
+
+
+def _sweep_triton(v):
+    """Each Triton piece at each candidate config; torch._grouped_mm on the same products."""
+    import forge_triton
+    from forge_triton import experts as T
+
+    calls = _piece_calls(forge_triton.experts_pieces(), v)
+    xg = v["x"][v["row_token"].long()]
+    gu_t, down_t = v["gate_up"].transpose(1, 2), v["down"].transpose(1, 2)
+    h = torch.randn(xg.shape[0], v["down"].shape[2], device="cuda", dtype=xg.dtype)
+    s = xg.shape[0]
+    flops = {"glu_fwd": 2 * s * xg.shape[1] * v["gate_up"].shape[1], "grouped_mm (down)": 2 * s * h.shape[1] * xg.shape[1]}
+    flops["grouped_mm_t (dx)"] = flops["glu_fwd"]
+    flops["glu_bwd"] = flops["grouped_mm (down)"]
+    flops["wgrad (down)"], flops["wgrad (gate_up)"] = flops["grouped_mm (down)"], flops["glu_fwd"]
+    if hasattr(torch, "_grouped_mm"):
+        ref = {"glu_fwd": lambda: torch._grouped_mm(xg, gu_t, offs=v["offsets"]),
+               "grouped_mm (down)": lambda: torch._grouped_mm(h, down_t, offs=v["offsets"]),
+               "grouped_mm_t (dx)": lambda: torch._grouped_mm(v["dgu"], v["gate_up"], offs=v["offsets"])}
+        for name, fn in ref.items():
+            try:
+                t = _time(fn)
+            except Exception as exc:  # (a layout torch's kernel does not take)
+                print(f"torch._grouped_mm {name}: failed {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            print(f"torch._grouped_mm {name:20s} {t:8.3f} ms  {flops[name] / t / 1e9:6.0f} TFLOP/s")
+    base = dict(T.TILES)
+    for kind, cands in TRITON_CANDIDATES.items():
+        pieces = TRITON_PIECES[kind] + (("glu_bwd",) if kind == "plain" else ())
+        for cfg in cands:
+            T.TILES.update({kind: cfg, **({"glu_bwd": cfg} if kind == "plain" else {})})
+            try:
+                ts = {n: _time(calls[n]) for n in pieces}
+            except Exception as exc:  # (a config past the shared memory or registers: reported, skipped)
+                print(f"{kind} {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            finally:
+                T.TILES.update(base)
+            print(f"{kind} {cfg}: " + "  ".join(f"{n} {t:.3f} ms ({flops[n] / t / 1e9:.0f} TF/s)"
+                                                  for n, t in ts.items()))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-triton", action="store_true")
+    ap.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
     args = ap.parse_args()
+    if args.sweep_triton:
+        return _sweep_triton(_inputs(**SHAPES[args.shape]))
     import bridge
     import forge_triton
 
