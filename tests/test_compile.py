@@ -24,7 +24,7 @@ from forge.patching import arch as arch_table  # noqa: E402
 from forge.spec import tolerance  # noqa: E402
 
 BACKENDS = ops.BACKENDS
-ARCHS = arch_table.DENSE  # the mixture-of-experts ones: tests/test_moe_models.py
+ARCHS = arch_table.DENSE  # the mixture-of-experts ones: tests/test_moe_models.py (and compiled below)
 
 
 
@@ -56,6 +56,9 @@ def _close(name, got, want, k):
 # six with both backends under inductor on a GPU
 FULLGRAPH_CASES = [(mt, "triton") for mt in ARCHS] + [(mt, b) for b in BACKENDS if b != "triton"
                                                        for mt in ("qwen2", "gemma2")]
+# the mixtures of experts: the expert block is one op pair (forge.ops.experts), each arch once,
+# the backends alternating
+FULLGRAPH_CASES += [(mt, BACKENDS[i % len(BACKENDS)]) for i, mt in enumerate(arch_table.MOE)]
 
 
 @pytest.mark.parametrize("model_type,backend", FULLGRAPH_CASES)
@@ -69,6 +72,7 @@ def test_fullgraph_compile_train_and_infer(model_type, backend):
     forge.patch(model, backend=backend, min_elements=0, compile_kernels="all")
     counts = dict(model._forge_patched_counts)
     assert {"rmsnorm", "rope", "fused_linear_ce"} <= counts.keys(), model._forge_skipped
+    assert ("experts" in counts) == (model_type in arch_table.MOE), (counts, model._forge_skipped)
     k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
 
     # train: labels through the fused loss, the gated MLP node, rmsnorm and rope with autograd
@@ -452,8 +456,24 @@ def _kernel_calls(backend):
         return f(torch.randn(5, 16, requires_grad=True), idx, wts, torch.randn(3, 24, 16, requires_grad=True),
                  torch.randn(3, 16, 12, requires_grad=True))
 
+    def experts_pieces(_f):
+        # the expert block's pieces called one by one (a Pallas piece is an op of its own, which
+        # the block's op calls from inside its body, out of a dispatch mode's sight)
+        from forge.spec import experts as X
+
+        p = ops._piece(backend, "experts_pieces")()
+        x, w_gu, w_dn = torch.randn(5, 16), torch.randn(3, 24, 16), torch.randn(3, 16, 12)
+        scores = torch.rand(5, 2)
+        row_token, offsets, slot_rows = X.route(torch.tensor([[0, 2], [2, 0], [0, 2], [2, 0], [0, 2]]), 3)
+        h, gu = p["glu_fwd"](x, row_token, offsets, w_gu, "silu")
+        y = p["grouped_mm"](h, w_dn, offsets)
+        dy, d_scores = p["unpermute_bwd"](torch.randn(5, 16), y, slot_rows, scores)
+        dgu, h2 = p["glu_bwd"](dy, gu, offsets, w_dn, "silu")
+        return (p["unpermute"](y, slot_rows, scores), d_scores, p["grouped_wgrad"](dy, h2, offsets, None),
+                p["grouped_wgrad"](dgu, x, offsets, row_token), p["grouped_mm_t"](dgu, w_gu, offsets))
+
     kernels["lora_qkv"], kernels["lora_mlp"], kernels["mlp_act"] = lora_qkv, lora_mlp, mlp_pieces
-    kernels["experts"] = experts
+    kernels["experts"], kernels["experts_pieces"] = experts, experts_pieces
     kernels["lora_o"] = lora_o
     kernels["decode_attention"] = decode_attention
     return kernels
@@ -481,14 +501,15 @@ def _opcheck_cases(backend):
     # run through the ops
     import importlib
 
-    for mod in ("forge_triton._ops", "bridge.core", "forge.ops._nodes"):
+    for mod in ("forge_triton._ops", "bridge.core", "forge.ops._nodes", "forge.ops.experts"):
         importlib.import_module(mod)
     for key, make in kernels.items():
-        fn = ops.get(key, backend) if key != "mlp_act" else None
+        fn = ops.get(key, backend) if key in ops.KERNEL_KEYS else None  # (not the pieces' calls)
         with unittest.mock.patch("torch.compiler.is_compiling", lambda: True), \
                 unittest.mock.patch("forge_triton._ops._compiling", lambda: True), \
                 unittest.mock.patch("bridge.core._through_ops", lambda: True), \
-                unittest.mock.patch("forge.ops._nodes._through_ops", lambda: True), Record():
+                unittest.mock.patch("forge.ops._nodes._through_ops", lambda: True), \
+                unittest.mock.patch("forge.ops.experts._through_ops", lambda: True), Record():
             outs = make(fn)
             outs = outs if isinstance(outs, tuple) else (outs,)
             loss = sum(o.float().sum() for o in outs)
@@ -571,7 +592,7 @@ from test_compile import _kernel_calls
 out = {}
 for backend in sys.argv[1:]:
     for key, make in _kernel_calls(backend).items():
-        if key in ("mlp_act", "decode_attention"):  # (a piece; a forward-only kernel: not checked here)
+        if key in ("mlp_act", "experts_pieces", "decode_attention"):  # (pieces; a forward-only kernel: not here)
             continue
         torch.manual_seed(0)
         with torch.profiler.profile() as prof:
@@ -605,7 +626,7 @@ def test_through_ops_env_routes_every_kernel():
     seen = json.loads(res.stdout.split("OPS", 1)[1].strip().splitlines()[0])
     for backend in backends:
         for key in ("rmsnorm", "swiglu", "geglu", "rope", "gated_mlp", "fused_linear_ce", "lora_qkv", "lora_o",
-                    "lora_mlp"):
+                    "lora_mlp", "experts"):
             names = seen[f"{backend}/{key}"]
             fwd = [n for n in names if n.endswith("_fwd")]
             # (the loss's backward is plain torch ops, no op: see the test above)

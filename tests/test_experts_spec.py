@@ -84,7 +84,7 @@ def test_reference_pieces_through_the_node_match_the_reference():
 
     x, idx, w, gu, dn = _inputs(t=6, e=4, k=2, seed=3)
     idx[1, 0] = 4
-    fn = node.build(X.reference_pieces())
+    fn = node.build("reference", X.reference_pieces())
     leaves = [t.requires_grad_() for t in (x, w, gu, dn)]
     out = fn(x, idx, w, gu, dn)
     ref = X.reference(x, idx, w, gu, dn)

@@ -175,7 +175,7 @@ def _node(key: str, backend: str):
         from . import experts
 
         pieces = _piece(backend, "experts_pieces")
-        return None if pieces is None else experts.build(pieces(), _piece(backend, "check_devices"))
+        return None if pieces is None else experts.build(backend, pieces(), _piece(backend, "check_devices"))
     if key == "gated_mlp":
         from . import _nodes
 

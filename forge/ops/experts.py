@@ -11,9 +11,10 @@ supplies the grouped pieces as a dict (its ``experts_pieces()``), made into :cla
   ``grouped_wgrad(a, b, offsets, b_rows | None) -> dW``
 
 The node keeps the routing, gu (S x 2I) and y (S x H, the down product per routed row, for the
-score gradient) and x; h is recomputed in the down product's backward epilogue. It is eager
-only: no torch.library op pair yet, so torch.compile sees it as opaque Python (a graph break).
-Imports torch and forge.spec only (never a backend).
+score gradient) and x; h is recomputed in the down product's backward epilogue. Under
+torch.compile the node is one op pair, ``torch.ops.forge.<backend>_experts_fwd`` / ``_bwd``
+(forge.ops.library, :class:`NodeAdaptor`): the same pieces, the routing and activations as the
+forward op's residuals. Imports torch, forge.spec and the op layer only (never a backend).
 """
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ from typing import Callable
 
 import torch
 
+from .. import _runtime
 from ..spec import experts as spec
 from . import autocast as _autocast
+from ._adaptor import NodeAdaptorBase
+
+_through_ops = _runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 from ..spec._check import no_double_backward
 
 
@@ -46,6 +51,25 @@ def _forward(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act):
     return ops.unpermute(y, slot_rows, top_k_weights), (row_token, offsets, slot_rows, gu, y)
 
 
+def _backward(ops, act, dout, saved, need):
+    """(dx, d_weights, d_gate_up, d_down) from the node's saved tensors; ``need`` the four
+    flags in that order (None where not needed)."""
+    x, weights, gate_up_proj, down_proj, row_token, offsets, slot_rows, gu, y = saved
+    dx = d_gate_up = d_down = None
+    dout = dout.contiguous()
+    dy, d_weights = ops.unpermute_bwd(dout, y, slot_rows, weights)
+    del y
+    dgu, h = ops.glu_bwd(dy, gu, offsets, down_proj, act)
+    if need[3]:
+        d_down = ops.grouped_wgrad(dy, h, offsets, None)
+    del h, dy
+    if need[2]:
+        d_gate_up = ops.grouped_wgrad(dgu, x, offsets, row_token)
+    if need[0]:
+        dx = ops.unpermute(ops.grouped_mm_t(dgu, gate_up_proj, offsets), slot_rows, None)
+    return dx, d_weights if need[1] else None, d_gate_up, d_down
+
+
 class ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, ops, act):
@@ -59,22 +83,64 @@ class ExpertsFunction(torch.autograd.Function):
     @staticmethod
     @no_double_backward("experts")
     def backward(ctx, dout):
-        x, weights, gate_up_proj, down_proj, row_token, offsets, slot_rows, gu, y = ctx.saved_tensors
-        ops, need = ctx.ops, ctx.needs_input_grad
-        dx = d_weights = d_gate_up = d_down = None
-        with torch.autocast(ops.device_type, enabled=False):
-            dout = dout.contiguous()
-            dy, d_weights = ops.unpermute_bwd(dout, y, slot_rows, weights)
-            del y
-            dgu, h = ops.glu_bwd(dy, gu, offsets, down_proj, ctx.act)
-            if need[4]:
-                d_down = ops.grouped_wgrad(dy, h, offsets, None)
-            del h, dy
-            if need[3]:
-                d_gate_up = ops.grouped_wgrad(dgu, x, offsets, row_token)
-            if need[0]:
-                dx = ops.unpermute(ops.grouped_mm_t(dgu, gate_up_proj, offsets), slot_rows, None)
-        return dx, None, d_weights if need[2] else None, d_gate_up, d_down, None, None
+        need = ctx.needs_input_grad
+        with torch.autocast(ctx.ops.device_type, enabled=False):
+            dx, d_weights, d_gate_up, d_down = _backward(ctx.ops, ctx.act, dout, ctx.saved_tensors,
+                                                         (need[0], need[2], need[3], need[4]))
+        return dx, None, d_weights, d_gate_up, d_down, None, None
+
+
+# ------------------------------------------------------------------------- the op pair
+class _Def:
+    name = "experts"
+    names = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")
+
+
+DEF = _Def()
+_DIFF = ("hidden", "top_k_weights", "gate_up_proj", "down_proj")
+
+
+class NodeAdaptor(NodeAdaptorBase):
+    """The expert block of one backend as forge.ops.library ops (``forge::<backend>_experts_fwd``
+    / ``_bwd``): under torch.compile the block is one opaque op pair, its fakes from the shapes
+    alone (the routing keeps every one of the T x K routed rows, so no size depends on data)."""
+
+    DEF = DEF
+
+    def __init__(self, ops: ExpertsOps):
+        self.ops = ops
+
+    def input_names(self, kdef, n):
+        return DEF.names
+
+    def diff_names(self, kdef, n):
+        return _DIFF
+
+    def saved_present(self, kdef, present):
+        return tuple(present)
+
+    def run_fwd(self, kdef, tensors, static):
+        with torch.autocast(self.ops.device_type, enabled=False):
+            out, res = _forward(self.ops, *tensors, static["act"])
+        return (out,), res
+
+    def fake_fwd(self, kdef, tensors, static):
+        x, idx, _w, gate_up_proj, _down = tensors
+        (t, k), s = idx.shape, idx.numel()
+        i32 = dict(dtype=torch.int32, device=x.device)
+        return (x.new_empty(t, x.shape[1]),), (torch.empty(s, **i32), torch.empty(gate_up_proj.shape[0], **i32),
+                                               torch.empty(t, k, **i32), x.new_empty(s, gate_up_proj.shape[1]),
+                                               x.new_empty(s, x.shape[1]))
+
+    def run_bwd(self, kdef, inputs, res, grads, needs, static, dtypes):
+        x, _idx, weights, gate_up_proj, down_proj = inputs
+        with torch.autocast(self.ops.device_type, enabled=False):
+            got = _backward(self.ops, static["act"], grads[0], (x, weights, gate_up_proj, down_proj, *res),
+                            tuple(needs[n] for n in _DIFF))
+        return {n: g for n, g in zip(_DIFF, got) if needs[n]}
+
+    def fake_bwd(self, kdef, inputs, res, grads, needs, static, dtypes):
+        return {n: torch.empty_like(t) for n, t in zip(DEF.names, inputs) if needs.get(n)}
 
 
 def apply(ops: ExpertsOps, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, act="silu"):
@@ -85,10 +151,15 @@ def apply(ops: ExpertsOps, hidden, top_k_index, top_k_weights, gate_up_proj, dow
         return _forward(ops, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)[0]
 
 
-def build(pieces: dict, check_devices=None):
+def build(backend: str, pieces: dict, check_devices=None):
     """The spec-signature function ``experts(hidden, top_k_index, top_k_weights, gate_up_proj,
-    down_proj, *, act="silu")`` of one backend from its pieces; checks each call's arguments."""
+    down_proj, *, act="silu")`` of one backend from its pieces; checks each call's arguments.
+    Under torch.compile (or ``FORGE_THROUGH_OPS=1``) a call goes through the node's op pair."""
+    from . import library
+
     ops = ExpertsOps(**pieces)
+    adaptor = NodeAdaptor(ops)
+    adaptor.install(library.traced_entry(backend, adaptor))
 
     def experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, act="silu"):
         cast = _autocast.target(hidden.device.type, hidden, gate_up_proj, down_proj) \
@@ -104,6 +175,9 @@ def build(pieces: dict, check_devices=None):
         spec.check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
         if check_devices is not None:
             check_devices(hidden=hidden, gate_up_proj=gate_up_proj, down_proj=down_proj)
+        if _through_ops():
+            return adaptor.traced(DEF, (hidden.contiguous(), top_k_index, top_k_weights.contiguous(), gate_up_proj,
+                                        down_proj), {"act": act})[0]
         return apply(ops, hidden.contiguous(), top_k_index, top_k_weights.contiguous(),
                      gate_up_proj, down_proj, act=act)
 
