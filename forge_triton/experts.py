@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 from ._common import cast
 from .glu import _act_and_grad
 from .lora_kernels import _dot
@@ -179,6 +179,13 @@ def _experts_unpermute_bwd_kernel(dout_ptr, y_ptr, rows_ptr, w_ptr, dy_ptr, dw_p
     tl.store(dw_ptr + t * K + k, cast(tl.sum(dot, 0), dw_ptr.dtype.element_ty))
 
 
+# launched through forge's direct path (forge_triton/_launch.py), as every forge Triton kernel
+_GROUPED = _launch.FastKernel(_experts_grouped_kernel)
+_WGRAD = _launch.FastKernel(_experts_wgrad_kernel)
+_UNPERMUTE = _launch.FastKernel(_experts_unpermute_kernel)
+_UNPERMUTE_BWD = _launch.FastKernel(_experts_unpermute_bwd_kernel)
+
+
 def _meta(dt):
     return dict(DT=_TL[dt], ACC=_common.acc(dt), UPCAST=_common.dot_upcast(), IEEE=dt == torch.float32)
 
@@ -201,7 +208,7 @@ def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None):
     if s_rows and n:
         dummy = h if out is None else out
         grid = (_common.cdiv(s_rows, bm) + e_n, _common.cdiv(n, bn))
-        _experts_grouped_kernel[grid](
+        _GROUPED[grid](
             a, idx if idx is not None else offsets, w, offsets, dummy, gu if gu is not None else dummy,
             h if h is not None else dummy, e_n, n, k, a.stride(0), w.stride(0), s_wn, s_wk, dummy.stride(0),
             gu.stride(0) if gu is not None else 0, h.stride(0) if h is not None else 0,
@@ -243,10 +250,10 @@ def grouped_wgrad(a, b, offsets, b_rows):
     dw = _common.empty((e_n, m, n), a.dtype, a.device)
     if e_n and m and n:
         grid = (e_n, _common.cdiv(m, bm), _common.cdiv(n, bn))
-        _experts_wgrad_kernel[grid](a, b, b_rows if b_rows is not None else offsets, offsets, dw, m, n,
-                                    a.stride(0), b.stride(0), dw.stride(0), dw.stride(1),
-                                    GATHER=b_rows is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                    num_warps=warps, num_stages=stages, **_meta(a.dtype))
+        _WGRAD[grid](a, b, b_rows if b_rows is not None else offsets, offsets, dw, m, n,
+                     a.stride(0), b.stride(0), dw.stride(0), dw.stride(1),
+                     GATHER=b_rows is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                     num_warps=warps, num_stages=stages, **_meta(a.dtype))
     return dw
 
 
@@ -257,7 +264,7 @@ def unpermute(y, slot_rows, weights):
     out = _common.empty((t, h), y.dtype, y.device)
     if t and h:
         bh = min(1024, _common.next_pow2(h))
-        _experts_unpermute_kernel[(t, _common.cdiv(h, bh))](
+        _UNPERMUTE[(t, _common.cdiv(h, bh))](
             y, _dense(slot_rows), _dense(weights) if weights is not None else y, out, h, y.stride(0),
             out.stride(0), K=k, WEIGHTED=weights is not None, ACC=_common.acc(y.dtype), BLOCK_H=bh)
     return out
@@ -270,9 +277,9 @@ def unpermute_bwd(dout, y, slot_rows, weights):
     dy = _common.empty_like(y)
     dw = _common.empty((t, k), weights.dtype, weights.device)
     if t:
-        _experts_unpermute_bwd_kernel[(t, k)](dout, y, _dense(slot_rows), _dense(weights), dy, dw, h,
-                                              dout.stride(0), y.stride(0), K=k, ACC=_common.acc(y.dtype),
-                                              BLOCK_H=min(1024, _common.next_pow2(max(h, 1))))
+        _UNPERMUTE_BWD[(t, k)](dout, y, _dense(slot_rows), _dense(weights), dy, dw, h,
+                               dout.stride(0), y.stride(0), K=k, ACC=_common.acc(y.dtype),
+                               BLOCK_H=min(1024, _common.next_pow2(max(h, 1))))
     return dy, dw
 
 
