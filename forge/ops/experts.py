@@ -25,11 +25,11 @@ import torch
 
 from .. import _runtime
 from ..spec import experts as spec
+from ..spec._check import no_double_backward
 from . import autocast as _autocast
 from ._adaptor import NodeAdaptorBase
 
 _through_ops = _runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
-from ..spec._check import no_double_backward
 
 
 @dataclasses.dataclass(frozen=True)
