@@ -158,7 +158,7 @@ def run_case(model, variant, ids, mask, new, reps, quick, want, pristine):
             row["reserved_MiB"] = torch.cuda.max_memory_reserved() / 2**20
         twin = pristine.to(ids.device) if variant != "eager" else None  # (Module.to moves it in place)
         try:
-            row["ttft_ms"], row["ttft_eager_ms"] = _ttft(model, twin, ids, kw, plain, 1 if quick else TTFT_CALLS)
+            row["ttft_ms"], row["ttft_eager_ms"] = _ttft(model, twin, ids, kw, plain, 3 if quick else TTFT_CALLS)
         finally:
             if twin is not None:
                 twin.to("cpu")
@@ -230,7 +230,7 @@ def main(argv=None):
                    help="MoE presets: transformers' experts implementation the unpatched variants run")
     a = p.parse_args(argv)
     if a.quick:
-        a.model, a.batches, a.prompts, a.new, a.reps = "tiny-moe" if is_moe(a.model) else "tiny", "2", "8", 4, 1
+        a.model, a.batches, a.prompts, a.new, a.reps = "tiny-moe" if is_moe(a.model) else "tiny", "2", "8", 12, 1
     variants = [v.strip() for v in a.variants.split(",")]
     bad = [v for v in variants if v not in VARIANTS + EXTRA_VARIANTS]
     if bad:

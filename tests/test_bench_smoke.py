@@ -177,7 +177,11 @@ def test_bench_generate_quick(tmp_path):
     rows = _rows(tmp_path, "bench_generate")
     assert {"batch", "prompt", "variant", "tok_s", "ttft_ms", "first_s", "same_tokens"} <= rows[0].keys()
     assert [r["variant"] for r in rows] == ["eager", "forge", "forge graphs", "forge graphs loop", "static + compile"]
-    assert all(float(r["tok_s"]) > 0 and float(r["ms_token"]) > 0 for r in rows[:4])
+    assert all(float(r["tok_s"]) > 0 for r in rows[:4])
+    # the time per decoding step is the total less the first token's (a median of separate calls):
+    # left empty where the CPU's noise makes that difference no larger than zero
+    ms = [r["ms_token"] for r in rows[:4]]
+    assert any(ms) and all(float(m) > 0 for m in ms if m), ms
     # no CUDA: the graphs variants' generate() runs as before, and says why
     assert all("the model is on cpu" in r["note"] for r in rows[2:4]) and "skipped" in rows[4]["note"]
     assert all(float(r["same_tokens"]) == 1.0 for r in rows[1:4])
