@@ -501,15 +501,14 @@ def _opcheck_cases(backend):
     # run through the ops
     import importlib
 
-    for mod in ("forge_triton._ops", "bridge.core", "forge.ops._nodes", "forge.ops.experts"):
+    for mod in ("forge_triton._ops", "bridge.core", "forge.ops._nodes"):
         importlib.import_module(mod)
     for key, make in kernels.items():
         fn = ops.get(key, backend) if key in ops.KERNEL_KEYS else None  # (not the pieces' calls)
         with unittest.mock.patch("torch.compiler.is_compiling", lambda: True), \
                 unittest.mock.patch("forge_triton._ops._compiling", lambda: True), \
                 unittest.mock.patch("bridge.core._through_ops", lambda: True), \
-                unittest.mock.patch("forge.ops._nodes._through_ops", lambda: True), \
-                unittest.mock.patch("forge.ops.experts._through_ops", lambda: True), Record():
+                unittest.mock.patch("forge.ops._nodes._through_ops", lambda: True), Record():
             outs = make(fn)
             outs = outs if isinstance(outs, tuple) else (outs,)
             loss = sum(o.float().sum() for o in outs)

@@ -171,17 +171,13 @@ def _piece(backend: str, name: str):
 
 @functools.cache
 def _node(key: str, backend: str):
-    if key == "experts":
-        from . import experts
-
-        pieces = _piece(backend, "experts_pieces")
-        return None if pieces is None else experts.build(backend, pieces(), _piece(backend, "check_devices"))
-    if key == "gated_mlp":
-        from . import _nodes
-
-        return _nodes.gated_mlp(backend, _piece(backend, "mlp_act"), _piece(backend, "check_devices"))
     from . import _nodes
 
+    if key == "experts":
+        pieces = _piece(backend, "experts_pieces")
+        return None if pieces is None else _nodes.experts(backend, pieces(), _piece(backend, "check_devices"))
+    if key == "gated_mlp":
+        return _nodes.gated_mlp(backend, _piece(backend, "mlp_act"), _piece(backend, "check_devices"))
     prepare, compute = _piece(backend, "fused_linear_ce_prepare"), _piece(backend, "fused_linear_ce_compute")
     if prepare is None or compute is None:
         return None

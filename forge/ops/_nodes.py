@@ -11,6 +11,7 @@ from .. import _runtime
 from ..spec import _check
 from ..spec import gated_mlp as mlp_spec
 from . import autocast as _autocast
+from . import experts as _experts
 from . import gated_mlp as _mlp
 from . import library
 from . import precomputed as _pre
@@ -85,3 +86,33 @@ def fused_linear_ce(backend: str, prepare, compute, one_pass):
                                "tile_vocab and chunk_rows); its autograd node is forge.ops.precomputed.\n\n"
                                + (prepare.__doc__ or ""))
     return fused_linear_ce
+
+
+def experts(backend: str, pieces: dict, check_devices):
+    """The MoE expert block of ``backend`` (forge.spec.experts) from its pieces (forge.ops.experts
+    says what they are): the spec's checks, the eager node, under torch.compile its op pair."""
+    ops = _experts.ExpertsOps(**pieces)
+    adaptor = _experts.NodeAdaptor(ops)
+    adaptor.install(library.traced_entry(backend, adaptor))
+
+    def experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, act="silu"):
+        dev = hidden.device.type if isinstance(hidden, torch.Tensor) else None
+        cast = dev and _autocast.target(dev, hidden, gate_up_proj, down_proj)
+        if cast:  # eager's expert products run in the autocast dtype: so do the node's; the
+            # router's scores stay as given and the output comes back in hidden's dtype, as
+            # eager's weighted sum does
+            out_dtype = hidden.dtype
+            hidden, gate_up_proj, down_proj = (_autocast.cast(t, cast) for t in (hidden, gate_up_proj, down_proj))
+            with _autocast.off(dev):
+                return experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act=act).to(out_dtype)
+        _experts.spec.check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
+        if check_devices is not None:
+            check_devices(hidden=hidden, gate_up_proj=gate_up_proj, down_proj=down_proj)
+        hidden, top_k_weights = hidden.contiguous(), top_k_weights.contiguous()
+        if _through_ops():
+            return adaptor.traced(_experts.DEF, (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj),
+                                  {"act": act})[0]
+        return _experts.apply(ops, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act=act)
+
+    experts.ops = ops
+    return experts

@@ -14,7 +14,8 @@ The node keeps the routing, gu (S x 2I) and y (S x H, the down product per route
 score gradient) and x; h is recomputed in the down product's backward epilogue. Under
 torch.compile the node is one op pair, ``torch.ops.forge.<backend>_experts_fwd`` / ``_bwd``
 (forge.ops.library, :class:`NodeAdaptor`): the same pieces, the routing and activations as the
-forward op's residuals. Imports torch, forge.spec and the op layer only (never a backend).
+forward op's residuals. The functional API over both (argument checks, autocast, the route):
+forge.ops._nodes.experts. Imports torch and forge.spec only (never a backend).
 """
 from __future__ import annotations
 
@@ -23,13 +24,9 @@ from typing import Callable
 
 import torch
 
-from .. import _runtime
 from ..spec import experts as spec
 from ..spec._check import no_double_backward
-from . import autocast as _autocast
 from ._adaptor import NodeAdaptorBase
-
-_through_ops = _runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,37 +146,3 @@ def apply(ops: ExpertsOps, hidden, top_k_index, top_k_weights, gate_up_proj, dow
         return ExpertsFunction.apply(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, ops, act)
     with torch.autocast(ops.device_type, enabled=False):
         return _forward(ops, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)[0]
-
-
-def build(backend: str, pieces: dict, check_devices=None):
-    """The spec-signature function ``experts(hidden, top_k_index, top_k_weights, gate_up_proj,
-    down_proj, *, act="silu")`` of one backend from its pieces; checks each call's arguments.
-    Under torch.compile (or ``FORGE_THROUGH_OPS=1``) a call goes through the node's op pair."""
-    from . import library
-
-    ops = ExpertsOps(**pieces)
-    adaptor = NodeAdaptor(ops)
-    adaptor.install(library.traced_entry(backend, adaptor))
-
-    def experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, act="silu"):
-        cast = _autocast.target(hidden.device.type, hidden, gate_up_proj, down_proj) \
-            if isinstance(hidden, torch.Tensor) else None
-        if cast is not None:
-            # eager's expert products run in the autocast dtype (an fp32 model under the Trainer's
-            # bf16=True): so do the node's, on differentiably cast inputs; the scores stay as the
-            # router gave them and the output comes back in hidden's dtype, as eager's sum is
-            out_dtype = hidden.dtype
-            hidden, gate_up_proj, down_proj = (_autocast.cast(t, cast) for t in (hidden, gate_up_proj, down_proj))
-            with _autocast.off(hidden.device.type):
-                return experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act=act).to(out_dtype)
-        spec.check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
-        if check_devices is not None:
-            check_devices(hidden=hidden, gate_up_proj=gate_up_proj, down_proj=down_proj)
-        if _through_ops():
-            return adaptor.traced(DEF, (hidden.contiguous(), top_k_index, top_k_weights.contiguous(), gate_up_proj,
-                                        down_proj), {"act": act})[0]
-        return apply(ops, hidden.contiguous(), top_k_index, top_k_weights.contiguous(),
-                     gate_up_proj, down_proj, act=act)
-
-    experts.ops = ops
-    return experts

@@ -97,18 +97,12 @@ def elements(x, *_a, **_k) -> int:
 
 def reductions(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, **_k) -> dict:
     """Reduction length behind each output and gradient (scales the tolerance): y sums over I
-    after sums over H; d x over I twice after the sum over H in dh; an adapter's gradient over the
-    rows after the chain behind its factors (below)."""
+    after sums over H; d x over I twice after the sum over H in dh; weights over the rows."""
     h, inter = x.shape[-1], w_gate.shape[0]
     r = max(0 if a is None else a.shape[0] for a in (a_gate, a_up, a_down))
     rows = x.numel() // max(h, 1)
     out = {"y": h + inter + 2 * r, "x": h + 2 * inter + 3 * r}
-    # an adapter's gradient sums over the rows after the chain behind its factors: dG and dU
-    # (dy W_down^T over H, the down adapter over r) against B over I or x A^T over H; down's
-    # against h (over H and r) and h A_down^T over I, or dy B_down over H
-    chain = {"a_gate": h + r + inter, "b_gate": 2 * h + r, "a_down": 2 * h + r, "b_down": h + r + inter}
-    chain["a_up"], chain["b_up"] = chain["a_gate"], chain["b_gate"]
-    out.update({n: rows + c for n, c in chain.items()})
+    out.update({f"{m}_{p}": rows for m in "ab" for p in PROJ})
     return out
 
 
