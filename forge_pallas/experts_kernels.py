@@ -35,19 +35,28 @@ from . import _common as C
 from .glu import _act as _glu_act
 from .lora_kernels import dot
 
-BLOCK_M = 64
-BLOCK_N = 64
-BLOCK_K = 32
-WG_BLOCK_M = 32  # rows per step of the weight gradient's sum over a group
-WG_BLOCK_N = 64
-WG_BLOCK_K = 64
+# Each grouped kernel's launch, (rows, columns, reduction step, warps, stages) of its tile: the
+# products (row block, column block, K step), and for the weight gradient (rows and columns of
+# the (N, K) output tile, the group's rows per step), as forge_triton.experts.TILES orders them
+# (bench/diagnostics/tune_experts_pallas.py --sweep times candidates; None: Triton's default)
+TILES = {"plain": (64, 64, 32, 4, None), "glu": (64, 64, 32, 4, None), "glu_bwd": (64, 64, 32, 4, None),
+         "wgrad": (64, 64, 32, 4, None)}
+_INTERPRET_TILES = (64, 64, 32, 4, None)  # the interpreter: few programs, each a numpy step
 ROW_BLOCK = 16  # tokens per program of the un-permute
 COL_BLOCK = 128
-_WARPS = 4
 _FAR = 1 << 30  # an end row no slot reaches, a row past any array
 
 
-def slots(s: int, n_exp: int, bm: int = BLOCK_M) -> int:
+def _tiles(kind, dt):
+    """TILES[kind] for elements of ``dt``: TILES hold 2-byte elements' K step, wider elements a
+    step as many bytes deep (the pipeline's stages then fit the shared memory)."""
+    if C.interpret():
+        return _INTERPRET_TILES
+    bm, bn, bk, warps, stages = TILES[kind]
+    return bm, bn, max(16, bk * 2 // jnp.dtype(dt).itemsize), warps, stages
+
+
+def slots(s: int, n_exp: int, bm: int) -> int:
     """Grid slots along the rows for ``s`` sorted rows over ``n_exp`` experts (module docstring)."""
     return C.row_programs(s // bm + n_exp)
 
@@ -123,9 +132,10 @@ def gmm(a, w, offsets, *, trans_w):
     s = a.shape[0]
     n_exp = w.shape[0]
     n = w.shape[1] if trans_w else w.shape[2]
-    kern = functools.partial(_gmm_kernel, n_exp=n_exp, trans_w=trans_w, bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K)
+    bm, bn, bk, warps, stages = _tiles("plain", a.dtype)
+    kern = functools.partial(_gmm_kernel, n_exp=n_exp, trans_w=trans_w, bm=bm, bn=bn, bk=bk)
     return C.triton_call(kern, name="experts_gmm" if trans_w else "experts_gmm_t",
-                         grid=(slots(s, n_exp), C.cdiv(n, BLOCK_N)), num_warps=_WARPS,
+                         grid=(slots(s, n_exp, bm), C.cdiv(n, bn)), num_warps=warps, num_stages=stages,
                          out_shape=jax.ShapeDtypeStruct((s, n), a.dtype))(a, w, offsets)
 
 
@@ -163,9 +173,10 @@ def glu_fwd(x, row_token, offsets, gate_up_proj, *, kind):
     s = row_token.shape[0]
     n_exp, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
-    kern = functools.partial(_glu_fwd_kernel, n_exp=n_exp, kind=kind, bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K)
-    return C.triton_call(kern, name="experts_glu_fwd", grid=(slots(s, n_exp), C.cdiv(inter, BLOCK_N)),
-                         num_warps=_WARPS, out_shape=(jax.ShapeDtypeStruct((s, inter), x.dtype),
+    bm, bn, bk, warps, stages = _tiles("glu", x.dtype)
+    kern = functools.partial(_glu_fwd_kernel, n_exp=n_exp, kind=kind, bm=bm, bn=bn, bk=bk)
+    return C.triton_call(kern, name="experts_glu_fwd", grid=(slots(s, n_exp, bm), C.cdiv(inter, bn)),
+                         num_warps=warps, num_stages=stages, out_shape=(jax.ShapeDtypeStruct((s, inter), x.dtype),
                                                       jax.ShapeDtypeStruct((s, two_i), x.dtype)))(
         x, row_token, gate_up_proj, offsets)
 
@@ -193,9 +204,10 @@ def glu_bwd(dy, gu, offsets, down_proj, *, kind):
     """(dgu (S, 2I), h (S, I)) for dy (S, H), gu (S, 2I) from :func:`glu_fwd`, down_proj (E, H, I)."""
     s = dy.shape[0]
     n_exp, _, inter = down_proj.shape
-    kern = functools.partial(_glu_bwd_kernel, n_exp=n_exp, kind=kind, bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K)
-    return C.triton_call(kern, name="experts_glu_bwd", grid=(slots(s, n_exp), C.cdiv(inter, BLOCK_N)),
-                         num_warps=_WARPS, out_shape=(jax.ShapeDtypeStruct((s, 2 * inter), dy.dtype),
+    bm, bn, bk, warps, stages = _tiles("glu_bwd", dy.dtype)
+    kern = functools.partial(_glu_bwd_kernel, n_exp=n_exp, kind=kind, bm=bm, bn=bn, bk=bk)
+    return C.triton_call(kern, name="experts_glu_bwd", grid=(slots(s, n_exp, bm), C.cdiv(inter, bn)),
+                         num_warps=warps, num_stages=stages, out_shape=(jax.ShapeDtypeStruct((s, 2 * inter), dy.dtype),
                                                       jax.ShapeDtypeStruct((s, inter), dy.dtype)))(
         dy, down_proj, gu, offsets)
 
@@ -234,7 +246,8 @@ def grouped_wgrad(a, b, offsets, b_rows):
     n_exp = offsets.shape[0]
     n, k = a.shape[1], b.shape[1]
     gather = b_rows is not None
-    kern = functools.partial(_wgrad_kernel, gather=gather, bm=WG_BLOCK_M, bn=WG_BLOCK_N, bk=WG_BLOCK_K)
-    return C.triton_call(kern, name="experts_wgrad", grid=(n_exp, C.cdiv(n, WG_BLOCK_N), C.cdiv(k, WG_BLOCK_K)),
-                         num_warps=_WARPS, out_shape=jax.ShapeDtypeStruct((n_exp, n, k), a.dtype))(
+    bn, bk, bm, warps, stages = _tiles("wgrad", a.dtype)  # (output rows, output columns, group rows per step)
+    kern = functools.partial(_wgrad_kernel, gather=gather, bm=bm, bn=bn, bk=bk)
+    return C.triton_call(kern, name="experts_wgrad", grid=(n_exp, C.cdiv(n, bn), C.cdiv(k, bk)),
+                         num_warps=warps, num_stages=stages, out_shape=jax.ShapeDtypeStruct((n_exp, n, k), a.dtype))(
         a, b, b_rows if gather else jnp.zeros((1,), jnp.int32), offsets)

@@ -26,13 +26,18 @@ EPI_PLAIN, EPI_GLU, EPI_GLU_BWD = 0, 1, 2
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel use on the GPU: "plain" the
 # grouped product, "glu" the gate/up product (two accumulators), "glu_bwd" the down product's
 # backward with its epilogue, "wgrad" the weight gradients (K runs over a group's rows)
-TILES = {"plain": (64, 64, 32, 4, 3), "glu": (64, 64, 32, 4, 3), "glu_bwd": (64, 64, 32, 4, 3),
-         "wgrad": (64, 64, 32, 4, 3)}
+TILES = {"plain": (128, 256, 64, 8, 3), "glu": (128, 128, 64, 8, 3), "glu_bwd": (64, 128, 64, 4, 4),
+         "wgrad": (128, 128, 64, 8, 3)}
 
 
-def _tiles(kind):
+def _tiles(kind, dt):
     # the interpreter runs each program in Python over numpy blocks: few programs, wide tiles
-    return (16, 64, 64, 4, 1) if _common.INTERPRET else TILES[kind]
+    if _common.INTERPRET:
+        return 16, 64, 64, 4, 1
+    # TILES are chosen for 2-byte elements: wider ones take a K step as many bytes deep, so the
+    # pipeline's stages fit the shared memory (128 x 256 fp32 tiles at K 64 would need 294 KB)
+    bm, bn, bk, warps, stages = TILES[kind]
+    return bm, bn, max(16, bk * 2 // dt.itemsize), warps, stages
 
 
 @triton.jit
@@ -192,7 +197,7 @@ def _meta(dt):
 
 def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None):
     """One launch of the grouped kernel over S = len(idx or a) rows; returns (out, gu, h)."""
-    bm, bn, bk, warps, stages = _tiles(("plain", "glu", "glu_bwd")[epi])
+    bm, bn, bk, warps, stages = _tiles(("plain", "glu", "glu_bwd")[epi], a.dtype)
     s_rows = idx.numel() if idx is not None else a.shape[0]
     e_n = w.shape[0]
     k = a.shape[1]
@@ -244,7 +249,7 @@ def glu_bwd(dy, gu, offsets, down_proj, act):
 
 
 def grouped_wgrad(a, b, offsets, b_rows):
-    bm, bn, bk, warps, stages = _tiles("wgrad")
+    bm, bn, bk, warps, stages = _tiles("wgrad", a.dtype)
     a, b = _dense(a), _dense(b)
     e_n, m, n = offsets.numel(), a.shape[1], b.shape[1]
     dw = _common.empty((e_n, m, n), a.dtype, a.device)

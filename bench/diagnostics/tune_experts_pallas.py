@@ -1,16 +1,16 @@
 """The MoE expert block's pieces, Pallas (natively launched) against Triton, at the
 Qwen3-30B-A3B shape (hidden 2048, moe intermediate 768, 128 experts, top-8, 4096 tokens, bf16):
 each piece's device time (CUDA events on torch's stream, median of 20), and the whole block's
-forward + backward; with ``--sweep`` the Pallas grouped products at a few tile sizes, with
-``--sweep-triton`` each Triton piece at a few (tiles, warps, stages), against torch's
-``_grouped_mm`` on the same rows (the products transformers' grouped_mm experts run).
+forward + backward; with ``--sweep-triton`` / ``--sweep`` each Triton / Pallas piece at the
+candidate (tiles, warps, stages) of ``CANDIDATES`` (the best per kind printed last, for the
+backends' ``TILES``), against torch's ``_grouped_mm`` on the same rows (the products
+transformers' grouped_mm experts run); ``--shape qwen3`` or ``olmoe``.
 
     PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep] [--sweep-triton]
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
@@ -68,71 +68,105 @@ def _block(backend, v):
 
 
 SHAPES = {"qwen3": dict(h=2048, i=768, e=128, k=8), "olmoe": dict(h=2048, i=1024, e=64, k=8)}
-TRITON_CANDIDATES = {
-    "plain": [(64, 64, 32, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-              (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)],
-    "glu": [(64, 64, 32, 4, 3), (64, 64, 64, 4, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3),
-            (128, 64, 64, 4, 4)],
-    "wgrad": [(64, 64, 32, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
-              (64, 128, 64, 4, 4), (128, 128, 64, 4, 3)],
+# (rows, columns, reduction step, warps, stages) per kind, for both backends' TILES (the weight
+# gradient's: output rows, output columns, group rows per step)
+CANDIDATES = {
+    "plain": [(64, 64, 32, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+              (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 32, 8, 4)],
+    "glu": [(64, 64, 32, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3),
+            (128, 128, 32, 8, 4), (128, 64, 64, 4, 4)],
+    "glu_bwd": [(64, 64, 32, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4),
+                (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (64, 128, 32, 4, 4)],
+    "wgrad": [(64, 64, 32, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+              (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 128, 64, 4, 3)],
 }
-TRITON_PIECES = {"plain": ("grouped_mm (down)", "grouped_mm_t (dx)"), "glu": ("glu_fwd",), "wgrad": (
-    "wgrad (down)", "wgrad (gate_up)")}
+PIECES = {"plain": ("grouped_mm (down)", "grouped_mm_t (dx)"), "glu": ("glu_fwd",), "glu_bwd": ("glu_bwd",),
+          "wgrad": ("wgrad (down)", "wgrad (gate_up)")}
 
 
-def _sweep_triton(v):
-    """Each Triton piece at each candidate config; torch._grouped_mm on the same products."""
-    import forge_triton
-    from forge_triton import experts as T
+def _flops(v):
+    s, h = v["row_token"].shape[0], v["x"].shape[1]
+    two_i = v["gate_up"].shape[1]
+    f = {"glu_fwd": 2 * s * h * two_i, "grouped_mm (down)": s * h * two_i}
+    f["grouped_mm_t (dx)"], f["wgrad (gate_up)"] = f["glu_fwd"], f["glu_fwd"]
+    f["glu_bwd"], f["wgrad (down)"] = f["grouped_mm (down)"], f["grouped_mm (down)"]
+    return f
 
-    calls = _piece_calls(forge_triton.experts_pieces(), v)
+
+def _grouped_mm_reference(v, flops):
+    """torch._grouped_mm on the same rows: the products transformers' grouped_mm experts run."""
+    if not hasattr(torch, "_grouped_mm"):
+        return
     xg = v["x"][v["row_token"].long()]
-    gu_t, down_t = v["gate_up"].transpose(1, 2), v["down"].transpose(1, 2)
     h = torch.randn(xg.shape[0], v["down"].shape[2], device="cuda", dtype=xg.dtype)
-    s = xg.shape[0]
-    flops = {"glu_fwd": 2 * s * xg.shape[1] * v["gate_up"].shape[1], "grouped_mm (down)": 2 * s * h.shape[1] * xg.shape[1]}
-    flops["grouped_mm_t (dx)"] = flops["glu_fwd"]
-    flops["glu_bwd"] = flops["grouped_mm (down)"]
-    flops["wgrad (down)"], flops["wgrad (gate_up)"] = flops["grouped_mm (down)"], flops["glu_fwd"]
-    if hasattr(torch, "_grouped_mm"):
-        ref = {"glu_fwd": lambda: torch._grouped_mm(xg, gu_t, offs=v["offsets"]),
-               "grouped_mm (down)": lambda: torch._grouped_mm(h, down_t, offs=v["offsets"]),
-               "grouped_mm_t (dx)": lambda: torch._grouped_mm(v["dgu"], v["gate_up"], offs=v["offsets"])}
-        for name, fn in ref.items():
-            try:
-                t = _time(fn)
-            except Exception as exc:  # (a layout torch's kernel does not take)
-                print(f"torch._grouped_mm {name}: failed {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            print(f"torch._grouped_mm {name:20s} {t:8.3f} ms  {flops[name] / t / 1e9:6.0f} TFLOP/s")
-    base = dict(T.TILES)
-    for kind, cands in TRITON_CANDIDATES.items():
-        pieces = TRITON_PIECES[kind] + (("glu_bwd",) if kind == "plain" else ())
+    ref = {"glu_fwd": lambda: torch._grouped_mm(xg, v["gate_up"].transpose(1, 2), offs=v["offsets"]),
+           "grouped_mm (down)": lambda: torch._grouped_mm(h, v["down"].transpose(1, 2), offs=v["offsets"]),
+           "grouped_mm_t (dx)": lambda: torch._grouped_mm(v["dgu"], v["gate_up"], offs=v["offsets"])}
+    for name, fn in ref.items():
+        try:
+            t = _time(fn)
+        except Exception as exc:  # (a layout torch's kernel does not take)
+            print(f"torch._grouped_mm {name}: failed {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        print(f"torch._grouped_mm {name:20s} {t:8.3f} ms  {flops[name] / t / 1e9:6.0f} TFLOP/s")
+
+
+def _sweep(backend, v):
+    """Each piece of ``backend`` at each candidate of its kind (the other kinds at their TILES)."""
+    if backend == "triton":
+        import forge_triton
+        from forge_triton import experts as tiles_mod
+
+        pieces = forge_triton.experts_pieces
+    else:
+        import os
+        import tempfile
+
+        import bridge
+        from bridge import native
+        from forge_pallas import experts_kernels as tiles_mod
+
+        pieces = bridge.experts_pieces
+    flops = _flops(v)
+    _grouped_mm_reference(v, flops)
+    base = dict(tiles_mod.TILES)
+    best = {}
+    for kind, cands in CANDIDATES.items():
         for cfg in cands:
-            T.TILES.update({kind: cfg, **({"glu_bwd": cfg} if kind == "plain" else {})})
+            tiles_mod.TILES[kind] = cfg
+            if backend == "pallas":
+                os.environ["FORGE_CACHE_DIR"] = tempfile.mkdtemp()  # (recipes on disk are keyed by the code)
+                native.set_launcher(None)  # new plans for the new tiles
             try:
-                ts = {n: _time(calls[n]) for n in pieces}
+                calls = _piece_calls(pieces(), v)
+                ts = {n: _time(calls[n]) for n in PIECES[kind]}
             except Exception as exc:  # (a config past the shared memory or registers: reported, skipped)
-                print(f"{kind} {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
+                print(f"{backend} {kind} {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             finally:
-                T.TILES.update(base)
-            print(f"{kind} {cfg}: " + "  ".join(f"{n} {t:.3f} ms ({flops[n] / t / 1e9:.0f} TF/s)"
-                                                  for n, t in ts.items()))
+                tiles_mod.TILES.update(base)
+            total = sum(ts.values())
+            if kind not in best or total < best[kind][1]:
+                best[kind] = (cfg, total)
+            print(f"{backend} {kind} {cfg}: " + "  ".join(f"{n} {t:.3f} ms ({flops[n] / t / 1e9:.0f} TF/s)"
+                                                          for n, t in ts.items()))
+    print(f"{backend} best: " + ", ".join(f"{k} {c} ({t:.3f} ms)" for k, (c, t) in best.items()))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-triton", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="the Pallas pieces at each candidate tile")
+    ap.add_argument("--sweep-triton", action="store_true", help="the Triton pieces at each candidate tile")
     ap.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
     args = ap.parse_args()
-    if args.sweep_triton:
-        return _sweep_triton(_inputs(**SHAPES[args.shape]))
+    v = _inputs(**SHAPES[args.shape])
+    if args.sweep_triton or args.sweep:
+        for backend in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep:
+            _sweep(backend, v)
+        return
     import bridge
     import forge_triton
 
-    v = _inputs()
     res = {}
     for backend, mod in (("triton", forge_triton), ("pallas", bridge)):
         for name, fn in _piece_calls(mod.experts_pieces(), v).items():
@@ -144,20 +178,6 @@ def main():
     from bridge import native
 
     print("native:", {k: native.status()[k] for k in ("plans", "kernels", "declined")})
-    if args.sweep:
-        from forge_pallas import experts_kernels as K
-
-        p = bridge.experts_pieces()
-        for bm, bn, bk in itertools.product((64, 128), (64, 128), (32, 64)):
-            K.BLOCK_M, K.BLOCK_N, K.BLOCK_K = bm, bn, bk
-            import os
-            import tempfile
-
-            os.environ["FORGE_CACHE_DIR"] = tempfile.mkdtemp()  # (recipes on disk are keyed by the code, not the tiles)
-            native.set_launcher(None)  # new plans for the new tiles
-            calls = _piece_calls(p, v)
-            ts = {n: _time(calls[n]) for n in ("glu_fwd", "grouped_mm (down)", "glu_bwd", "grouped_mm_t (dx)")}
-            print(f"BM {bm} BN {bn} BK {bk}: " + "  ".join(f"{n} {t:.3f}" for n, t in ts.items()))
 
 
 if __name__ == "__main__":
