@@ -425,3 +425,10 @@ def main(a):
 
 if __name__ == "__main__":
     main(ARGS)
+    # leave without the interpreter's teardown: in two CI runs (torch 2.13 on a CPU, two gloo
+    # ranks) a rank that had finished, written everything and left the process group aborted
+    # there with SIGABRT (cause not found; tests/test_compile.py's subprocess met the same at its
+    # teardown). Everything this script promises is on disk by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
