@@ -26,12 +26,36 @@ def _step(m, model, ids, labels):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+PATCH_ALL = dict(min_elements=0, compile_kernels="all")  # every kernel, each one compiled
+
+
 def _model(model_type, backend, s=128):
+    """The 2-layer model at the 0.5B shape and its token ids; patched with every kernel unless
+    ``backend`` is None."""
     model = build_model(model_type, "qwen05b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=2)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, s), generator=g).cuda()
-    forge.patch(model, backend=backend, min_elements=0, compile_kernels="all")
+    if backend is not None:
+        forge.patch(model, backend=backend, **PATCH_ALL)
     return model, ids, ids.clone()
+
+
+def _reference(model, ids, labels):
+    """The float32 model's loss and gradients and the eager bf16 model's (the oracle's pair)."""
+    import copy
+
+    ref_model = copy.deepcopy(model).float()
+    ref = _step(ref_model, ref_model, ids, labels)
+    del ref_model
+    return ref, _step(model, model, ids, labels)
+
+
+def _assert_oracle(got, ref, eager, k):
+    (got_loss, got), (ref_loss, ref_g), (eager_loss, eager_g) = got, ref, eager
+    tolerance.assert_close("loss", got_loss, ref_loss, eager_loss, torch.bfloat16, k)
+    assert got.keys() == ref_g.keys()
+    for n in ref_g:
+        tolerance.assert_close(f"grad {n}", got[n], ref_g[n], eager_g[n], torch.bfloat16, k)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -43,24 +67,13 @@ def test_inductor_default_patch_within_the_oracle(model_type, backend):
     # model runs other code than the eager patched one (transformers' RMSNorm and RoPE under
     # inductor, forge's kernels in eager), so the check is the parity suite's oracle: each output
     # as close to the fp32 model as the eager bf16 model is, within the rule's bound
-    import copy
-
     need_backend(backend)
     torch._dynamo.reset()
-    model = build_model(model_type, "qwen05b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=2)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (2, 128), generator=g).cuda()
-    ref_model = copy.deepcopy(model).float()
-    ref_loss, ref = _step(ref_model, ref_model, ids, ids)
-    del ref_model
-    eager_loss, eager = _step(model, model, ids, ids)
+    model, ids, labels = _model(model_type, None)
+    ref, eager = _reference(model, ids, labels)
     forge.patch(model, backend=backend)
-    got_loss, got = _step(torch.compile(model, fullgraph=True), model, ids, ids)
-    k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
-    tolerance.assert_close("loss", got_loss, ref_loss, eager_loss, torch.bfloat16, k)
-    assert got.keys() == ref.keys()
-    for n in ref:
-        tolerance.assert_close(f"grad {n}", got[n], ref[n], eager[n], torch.bfloat16, k)
+    got = _step(torch.compile(model, fullgraph=True), model, ids, labels)
+    _assert_oracle(got, ref, eager, max(model.config.vocab_size, model.config.intermediate_size, ids.numel()))
     torch._dynamo.reset()
 
 
@@ -71,18 +84,19 @@ def test_inductor_fullgraph_no_recompile(model_type, backend):
 
     need_backend(backend)
     torch._dynamo.reset()
-    model, ids, labels = _model(model_type, backend)
+    model, ids, labels = _model(model_type, None)
+    ref, eager = _reference(model, ids, labels)
+    forge.patch(model, backend=backend, **PATCH_ALL)
     explained = torch._dynamo.explain(model)(ids, labels=labels)
     assert explained.graph_break_count == 0, explained.break_reasons
-    want_loss, want = _step(model, model, ids, labels)
     cnt = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=cnt, fullgraph=True)
-    got_loss, got = _step(compiled, model, ids, labels)
-    k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
-    bound = 4 * tolerance.atol(torch.bfloat16, k)  # inductor fuses torch's ops around the kernels
-    assert tolerance.rel_err(got_loss, want_loss) <= bound
-    for n in want:
-        assert tolerance.rel_err(got[n], want[n]) <= bound, n
+    got = _step(compiled, model, ids, labels)
+    # the oracle's rule against the float32 model, not a fixed bound against the eager patched
+    # step: inductor fuses torch's ops around the kernels (the router's softmax and top-k among
+    # them) into float32 arithmetic, and a bf16 router's gradient carries an error of several
+    # percent whichever order computes it (bench/diagnostics/diag_compile_router.py)
+    _assert_oracle(got, ref, eager, max(model.config.vocab_size, model.config.intermediate_size, ids.numel()))
     frames = cnt.frame_count
     for _ in range(2):
         _step(compiled, model, ids, labels)
