@@ -38,9 +38,10 @@ from .lora_kernels import dot
 # Each grouped kernel's launch, (rows, columns, reduction step, warps, stages) of its tile: the
 # products (row block, column block, K step), and for the weight gradient (rows and columns of
 # the (N, K) output tile, the group's rows per step), as forge_triton.experts.TILES orders them
-# (bench/diagnostics/tune_experts_pallas.py --sweep times candidates; None: Triton's default)
-TILES = {"plain": (64, 64, 32, 4, None), "glu": (64, 64, 32, 4, None), "glu_bwd": (64, 64, 32, 4, None),
-         "wgrad": (64, 64, 32, 4, None)}
+# (the winners of bench/diagnostics/tune_experts_pallas.py --sweep on the H100 at the
+# Qwen3-30B-A3B shape: Pallas' lowering favours narrower row blocks than Triton's; docs/moe.md)
+TILES = {"plain": (64, 128, 64, 4, 4), "glu": (64, 256, 64, 8, 3), "glu_bwd": (64, 256, 64, 8, 3),
+         "wgrad": (128, 256, 64, 8, 3)}
 _INTERPRET_TILES = (64, 64, 32, 4, None)  # the interpreter: few programs, each a numpy step
 ROW_BLOCK = 16  # tokens per program of the un-permute
 COL_BLOCK = 128

@@ -25,8 +25,10 @@ EPI_PLAIN, EPI_GLU, EPI_GLU_BWD = 0, 1, 2
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel use on the GPU: "plain" the
 # grouped product, "glu" the gate/up product (two accumulators), "glu_bwd" the down product's
-# backward with its epilogue, "wgrad" the weight gradients (K runs over a group's rows)
-TILES = {"plain": (128, 256, 64, 8, 3), "glu": (128, 128, 64, 8, 3), "glu_bwd": (64, 128, 64, 4, 4),
+# backward with its epilogue, "wgrad" the weight gradients (K runs over a group's rows); the
+# winners of bench/diagnostics/tune_experts_pallas.py --sweep-triton on the H200 at the
+# Qwen3-30B-A3B shape (docs/moe.md)
+TILES = {"plain": (128, 256, 64, 8, 4), "glu": (128, 128, 64, 8, 4), "glu_bwd": (64, 256, 64, 8, 3),
          "wgrad": (128, 128, 64, 8, 3)}
 
 

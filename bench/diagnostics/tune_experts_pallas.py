@@ -11,6 +11,7 @@ transformers' grouped_mm experts run); ``--shape qwen3`` or ``olmoe``.
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -122,8 +123,11 @@ def _sweep(backend, v):
         import os
         import tempfile
 
+        import jax
+
         import bridge
-        from bridge import native
+        from bridge import core, native
+        from bridge import experts as bridge_experts
         from forge_pallas import experts_kernels as tiles_mod
 
         pieces = bridge.experts_pieces
@@ -134,9 +138,13 @@ def _sweep(backend, v):
     for kind, cands in CANDIDATES.items():
         for cfg in cands:
             tiles_mod.TILES[kind] = cfg
-            if backend == "pallas":
-                os.environ["FORGE_CACHE_DIR"] = tempfile.mkdtemp()  # (recipes on disk are keyed by the code)
-                native.set_launcher(None)  # new plans for the new tiles
+            if backend == "pallas":  # forget every trace of the last tiles: the recipes on disk (keyed
+                os.environ["FORGE_CACHE_DIR"] = tempfile.mkdtemp()  # by the code), the native plans,
+                native.set_launcher(None)  # the bridge's jitted passes and JAX's own trace caches
+                for kd in vars(bridge_experts).values():
+                    if isinstance(kd, core.KernelDef):
+                        kd._fwd_jit.clear(), kd._bwd_jit.clear(), kd._py.clear()
+                jax.clear_caches()
             try:
                 calls = _piece_calls(pieces(), v)
                 ts = {n: _time(calls[n]) for n in PIECES[kind]}
@@ -150,7 +158,10 @@ def _sweep(backend, v):
                 best[kind] = (cfg, total)
             print(f"{backend} {kind} {cfg}: " + "  ".join(f"{n} {t:.3f} ms ({flops[n] / t / 1e9:.0f} TF/s)"
                                                           for n, t in ts.items()))
+    if backend == "pallas":
+        print("pallas native:", {k: native.status()[k] for k in ("plans", "kernels", "declined")})
     print(f"{backend} best: " + ", ".join(f"{k} {c} ({t:.3f} ms)" for k, (c, t) in best.items()))
+    return {k: c for k, (c, _) in best.items()}
 
 
 def main():
@@ -158,11 +169,14 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="the Pallas pieces at each candidate tile")
     ap.add_argument("--sweep-triton", action="store_true", help="the Triton pieces at each candidate tile")
     ap.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
+    ap.add_argument("--best-out", help="write the sweeps' best tiles per backend and kind here (JSON)")
     args = ap.parse_args()
     v = _inputs(**SHAPES[args.shape])
     if args.sweep_triton or args.sweep:
-        for backend in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep:
-            _sweep(backend, v)
+        best = {b: _sweep(b, v) for b in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep}
+        if args.best_out:
+            with open(args.best_out, "w") as f:
+                json.dump(best, f)
         return
     import bridge
     import forge_triton
