@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -122,8 +123,15 @@ def environment() -> dict:
     return env
 
 
+def device_tag(name: str) -> str:
+    """A short name for a device in file names: the chip's model word ("NVIDIA H200" -> h200,
+    "NVIDIA H100 80GB HBM3" -> h100), else the name's last word."""
+    words = [w for w in re.split(r"[\s_-]+", name.lower()) if w]
+    return next((w for w in words if re.fullmatch(r"[a-z]{1,2}\d{2,4}[a-z]?", w)), words[-1] if words else "")
+
+
 def _device_tag() -> str:
-    return "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().split()[-1].lower()
+    return "cpu" if not torch.cuda.is_available() else device_tag(torch.cuda.get_device_name())
 
 
 def write_results(out: Path, bench: str, rows: list[dict], extra: dict | None = None,
@@ -174,7 +182,7 @@ def history_row(meta: dict, file: str) -> dict:
             parts.append((label + ": " if label else "") + " ".join(vals))
     dev = env.get("device", "")
     return {"date": env.get("date", ""), "benchmark": bench, "case": meta.get("case", ""),
-            "device": "cpu" if dev == "cpu" else dev.split()[-1].lower() if dev else "",
+            "device": "cpu" if dev == "cpu" else device_tag(dev),
             "file": file, "command": env.get("command", ""), "summary": "; ".join(parts)}
 
 

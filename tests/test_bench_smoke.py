@@ -231,6 +231,17 @@ def test_results_overwrite_latest_and_append_history(tmp_path, monkeypatch):
         record.record([made / "history.csv"], repo)
 
 
+def test_device_tag_names_the_chip(monkeypatch):
+    # result files carry the chip's model word, not the name's last word (an H100 once wrote
+    # bench_patch_bisect-...-hbm3.json)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import _common as bc
+
+    names = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100",
+             "NVIDIA GeForce RTX 4090": "4090", "cpu": "cpu"}
+    assert {n: bc.device_tag(n) for n in names} == names
+
+
 def test_results_are_named_after_the_script(tmp_path, monkeypatch):
     """Whatever name a benchmark passes, its files carry its script's name: results of
     bench/bench_flce.py are bench_flce-<case>-<device>.*, a diagnostic's the same way."""
