@@ -152,3 +152,26 @@ def test_experts_oracle_gpu(backend, shape, dtype, device):
     t, h, i, e, k = shape
     tensors = _case(t, h, i, e, k, dtype=dtype, device=device)
     check_op(fn, _ref, tensors, diff=DIFF, reductions=X.reductions(*tensors.values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_step_without_host_sync(backend, device):
+    # routing, every piece and the backward stay on the device (torch raises at a synchronizing
+    # call in "error" mode): what lets a step or a decode token be captured in a CUDA graph
+    fn = _experts(backend)
+    t, h, i, e, k = GPU_SHAPES["qwen3_30b_a3b_4x1024"]
+    tensors = _case(t, h, i, e, k, dtype=torch.bfloat16, device=device)
+    leaves = {n: (v.requires_grad_() if n in DIFF else v) for n, v in tensors.items()}
+
+    def step():
+        fn(**leaves).float().sum().backward()
+
+    step()  # compile, warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(leaves[n].grad).all() for n in DIFF)

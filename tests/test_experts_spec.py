@@ -54,6 +54,18 @@ def test_route_groups_every_valid_slot_once():
     assert sorted(slot_rows[slot_rows >= 0].tolist()) == list(range(int(offsets[-1])))
 
 
+@pytest.mark.parametrize("t, e, k", [(1, 1, 1), (9, 4, 2), (33, 8, 8), (64, 128, 8), (0, 4, 2)])
+def test_route_offsets_count_each_experts_rows(t, e, k):
+    # the end rows are the running count of each expert's valid ids (as a bincount would give;
+    # route searches the sorted ids instead, with no host sync), sentinels and negatives excluded
+    g = torch.Generator().manual_seed(t * 131 + e)
+    idx = torch.randint(-1, e + 1, (t, k), generator=g)
+    _, offsets, _ = X.route(idx, e)
+    flat = idx.reshape(-1)
+    want = torch.cumsum(torch.bincount(flat[(flat >= 0) & (flat < e)], minlength=e), 0)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("mutate, err, match", [
     (lambda a: a.__setitem__(0, a[0].float()), TypeError, "hidden is torch.float32"),
     (lambda a: a.__setitem__(1, a[1].float()), TypeError, "int32 or int64"),

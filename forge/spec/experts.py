@@ -23,7 +23,7 @@ both provide exactly these; S = T * K routed rows, the rows sorted by expert)::
       ids       = top_k_index.reshape(S), ids outside [0, E) replaced by E (a sentinel)
       order     = stable argsort of ids                        # (S,) sorted row -> flat slot
       row_token = (order // K).int32                           # (S,) token of each sorted row
-      offsets   = cumsum(bincount(ids, minlength=E+1)[:E]).int32   # (E,) end row of expert e
+      offsets   = #(ids < e + 1) for each e, int32                   # (E,) end row of expert e
       slot_rows = inverse of order, reshape (T, K), -1 where the id was invalid   # int32
     A backend provides ``experts_pieces() -> dict`` of the pieces below plus ``device_type``
     (forge.ops.experts builds the autograd node from them). Outputs are in the dtype of the
@@ -144,12 +144,14 @@ def route(top_k_index, n_experts: int):
     ids = top_k_index.reshape(-1).long()
     valid = (ids >= 0) & (ids < n_experts)
     ids = torch.where(valid, ids, torch.full_like(ids, n_experts))
-    order = torch.argsort(ids, stable=True)
+    sorted_ids, order = torch.sort(ids, stable=True)
     row_token = torch.div(order, k, rounding_mode="floor").to(torch.int32)
-    counts = torch.bincount(ids, minlength=n_experts + 1)[:n_experts]
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
-    rows = torch.empty_like(order)
-    rows[order] = torch.arange(order.numel(), device=order.device)
+    # expert e's end row is the number of sorted ids below e + 1: a search over the sorted ids
+    # (torch.bincount would read the ids' maximum back to the host on CUDA, a sync that also
+    # rules out capturing the step in a CUDA graph)
+    bounds = torch.arange(1, n_experts + 1, device=ids.device)
+    offsets = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+    rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     slot_rows = torch.where(valid, rows, torch.full_like(rows, -1)).to(torch.int32).reshape(t, k)
     return row_token, offsets, slot_rows
 
