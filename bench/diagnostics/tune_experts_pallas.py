@@ -3,10 +3,11 @@ Qwen3-30B-A3B shape (hidden 2048, moe intermediate 768, 128 experts, top-8, 4096
 each piece's device time (CUDA events on torch's stream, median of 20), and the whole block's
 forward + backward; with ``--sweep-triton`` / ``--sweep`` each Triton / Pallas piece at the
 candidate (tiles, warps, stages) of ``CANDIDATES`` (the best per kind printed last, for the
-backends' ``TILES``), against torch's ``_grouped_mm`` on the same rows (the products
-transformers' grouped_mm experts run); ``--shape qwen3`` or ``olmoe``.
+backends' ``TILES``, and with ``--best-out F`` written to F as JSON), against torch's
+``_grouped_mm`` on the same rows (the products transformers' grouped_mm experts run);
+``--shape qwen3`` or ``olmoe``.
 
-    PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep] [--sweep-triton]
+    PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep] [--sweep-triton] [--best-out F]
 """
 from __future__ import annotations
 
