@@ -164,3 +164,30 @@ def test_save_pretrained_of_a_patched_peft_model(tmp_path):
     loaded.train()
     pm.train()
     assert torch.equal(loaded(ids, labels=labels).loss, pm(ids, labels=labels).loss)
+
+
+def test_transformers_hub_kernels_do_not_undo_the_patch(tmp_path):
+    # from_pretrained turns transformers' hub kernels on wherever the kernels package is
+    # installed, and then every train()/eval() that changes the mode kernelizes the model again,
+    # which put transformers' forward back on each RMSNorm: forge's RMSNorm was silently gone
+    # after the trainer's first model.train(). forge turns them off while patched, unpatch back on
+    need(BACKEND)
+    from transformers import AutoModelForCausalLM
+
+    build_model("qwen2").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    if not model.use_kernels:
+        pytest.skip("transformers turned no hub kernels on here (no kernels package, or USE_HUB_KERNELS=0)")
+    forge.patch(model, backend=BACKEND, min_elements=0)
+    assert not model.use_kernels
+    for switch in (model.train, model.eval, model.train):
+        switch()
+    norms = 2 * model.config.num_hidden_layers + 1
+    assert all("forward" in model.get_submodule(n).__dict__ for n in
+               [f"model.layers.{i}.{a}" for i in range(model.config.num_hidden_layers)
+                for a in ("input_layernorm", "post_attention_layernorm")] + ["model.norm"])
+    model(batch(model)[0])
+    assert model._forge_guard_stats.fused("rmsnorm") == norms
+    forge.unpatch(model)
+    assert model.use_kernels and str(model.kernels_mode).endswith("TRAINING"), model.kernels_mode
+    assert "forward" not in model.model.norm.__dict__

@@ -59,6 +59,7 @@ _PUBLIC = ("_forge_patched_counts", "_forge_skipped", "_forge_guard_stats", "_fo
 class _State:
     args: tuple
     records: list
+    undo: list      # callables unpatch runs after restoring the records (transformers' hub kernels)
     chain: list
     call: object    # forge.patch with this patch's arguments bound: patches a copy the same way (copying.py)
     info: _report.Info
@@ -134,7 +135,9 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         ok, why = ops.fits(b, p.device_types, p.float64)
         if not ok:
             raise errors.BackendUnavailableError(why)
+    undo = []
     try:
+        undo = _hub_kernels_off(root)
         if mode == "infer":
             for k in TRAIN_ONLY:
                 if k in requested:
@@ -147,6 +150,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         g = _apply_graphs(root, p) if graphs else None
     except BaseException:
         p.restore()
+        _run(undo)
         raise
     backends = p.backends()
     info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
@@ -156,7 +160,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
                              kernels=requested if explicit else None, graphs=graphs, recompute_mlp=recompute_mlp,
                              compile_kernels=compile_kernels,
                              min_fused=None if min_fused is defaults.MIN_FUSED_ELEMENTS else min_fused)
-    state = _State(args[:7], p._records, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
+    state = _State(args[:7], p._records, undo, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
     root.__dict__["_forge_state"] = state
     copying.publish(state, chain, _PUBLIC)
     _report.log_patch(root, state, p, g)
@@ -173,6 +177,7 @@ def unpatch(model):
     if state is None:
         return model
     restore(state.records)
+    _run(state.undo)
     lora_dropout.release()  # the dropout draws' kept ones (the next draw of any model makes them again)
     for obj in state.chain:
         for name in _PUBLIC + copying.HOOKS:
@@ -201,6 +206,28 @@ def guard_stats(model) -> GuardStats:
         raise ValueError(f"guard_stats: {type(model).__name__} is not a model forge has patched "
                          "(forge.patch(model) first)")
     return root._forge_guard_stats
+
+
+def _hub_kernels_off(root) -> list:
+    """Turn off transformers' hub kernels on ``root`` (``use_kernels``, which ``from_pretrained``
+    turns on wherever the ``kernels`` package is installed) and return the call that turns them
+    back on as they were. While they are on, every ``train()`` or ``eval()`` that changes the
+    model's mode kernelizes it again, which puts transformers' forward back on each RMSNorm
+    module: forge's RMSNorm would be dropped at the trainer's first ``model.train()``, silently."""
+    if not getattr(root, "use_kernels", False):
+        return []
+    config = getattr(root, "kernel_config", None)
+    root.set_use_kernels(False)
+    _report.log.info("forge.patch: transformers' hub kernels (use_kernels) are off for this model while "
+                     "it is patched: train()/eval() would kernelize it again over forge's RMSNorm; "
+                     "forge.unpatch turns them back on")
+    # (back on in the mode the model is in then, as its own train()/eval() would choose it)
+    return [lambda: root.set_use_kernels(True, kernel_config=config)]
+
+
+def _run(calls) -> None:
+    for call in reversed(calls):
+        call()
 
 
 # ---------------------------------------------------------------------------------------------
