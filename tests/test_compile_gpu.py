@@ -50,7 +50,9 @@ def _reference(model, ids, labels):
     return ref, _step(model, model, ids, labels)
 
 
-def _assert_oracle(got, ref, eager, k):
+def _assert_oracle(got, ref, eager, model, ids):
+    """The oracle's rule for the loss and every gradient (reduction: vocabulary, MLP width or tokens)."""
+    k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
     (got_loss, got), (ref_loss, ref_g), (eager_loss, eager_g) = got, ref, eager
     tolerance.assert_close("loss", got_loss, ref_loss, eager_loss, torch.bfloat16, k)
     assert got.keys() == ref_g.keys()
@@ -73,7 +75,7 @@ def test_inductor_default_patch_within_the_oracle(model_type, backend):
     ref, eager = _reference(model, ids, labels)
     forge.patch(model, backend=backend)
     got = _step(torch.compile(model, fullgraph=True), model, ids, labels)
-    _assert_oracle(got, ref, eager, max(model.config.vocab_size, model.config.intermediate_size, ids.numel()))
+    _assert_oracle(got, ref, eager, model, ids)
     torch._dynamo.reset()
 
 
@@ -96,7 +98,7 @@ def test_inductor_fullgraph_no_recompile(model_type, backend):
     # step: inductor fuses torch's ops around the kernels (the router's softmax and top-k among
     # them) into float32 arithmetic, and a bf16 router's gradient carries an error of several
     # percent whichever order computes it (bench/diagnostics/diag_compile_router.py)
-    _assert_oracle(got, ref, eager, max(model.config.vocab_size, model.config.intermediate_size, ids.numel()))
+    _assert_oracle(got, ref, eager, model, ids)
     frames = cnt.frame_count
     for _ in range(2):
         _step(compiled, model, ids, labels)
