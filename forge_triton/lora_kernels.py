@@ -29,14 +29,15 @@ from .glu import _act_and_grad
 SLOTS = 3
 
 # Launch settings per kernel: the tile kernels (add, dx, glu_fwd, glu_bwd) as (BLOCK_M, BLOCK_N,
-# num_warps); the rank-r reductions over a row (down, grad_a) as (BLOCK_M, BLOCK_K, num_warps,
+# num_warps, the largest rank whose low-rank term runs as outer products on the CUDA cores rather
+# than tl.dot; 0: never); the rank-r reductions over a row (down, grad_a) as (BLOCK_M, BLOCK_K, num_warps,
 # programs per SM they split their work to fill). Module data, so that
 # bench/diagnostics/tune_lora_kernels.py can time alternatives at the 8B shapes.
 CFG = {  # chosen by that diagnostic on the H200 at 4096 rows (docs/performance.md has the table)
-    "add": (32, 128, 4),
-    "dx": (32, 128, 4),
-    "glu_fwd": (32, 128, 4),
-    "glu_bwd": (32, 64, 8),
+    "add": (32, 128, 4, 0),
+    "dx": (32, 128, 4, 0),
+    "glu_fwd": (32, 128, 4, 0),
+    "glu_bwd": (32, 64, 8, 0),
     "down": (32, 128, 4, 4),
     "grad_a": (64, 128, 4, 4),
 }
@@ -109,16 +110,27 @@ def _dot(p, q, acc, DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, I
 @triton.jit
 def _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr,
-                  ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """(P Q)[rm, rn] for P (M, K) and Q (K, N) given by strides, K small (the LoRA rank)."""
+                  ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr):
+    """(P Q)[rm, rn] for P (M, K) and Q (K, N) given by strides, K small (the LoRA rank).
+
+    FMA: K outer products of a column of P and a row of Q on the CUDA cores instead of tl.dot,
+    so the tile keeps the layout of the element-wise loads around it (a dot's result layout
+    makes those loads and stores narrow); operands rounded to DT as the dot's are, each product
+    exact in ACC."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        p = tl.load(p_ptr + rm[:, None] * s_pm + rk[None, :] * s_pk,
-                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # (BM, BK)
-        q = tl.load(q_ptr + rk[:, None] * s_qk + rn[None, :] * s_qn,
-                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # (BK, BN)
-        acc = _dot(p, q, acc, DT, ACC, UPCAST, IEEE)
+    if FMA:
+        for k in range(0, K):
+            p = tl.load(p_ptr + rm * s_pm + k * s_pk, mask=rm < M, other=0.0)  # (BM,)
+            q = tl.load(q_ptr + k * s_qk + rn * s_qn, mask=rn < N, other=0.0)  # (BN,)
+            acc += cast(p, DT).to(ACC)[:, None] * cast(q, DT).to(ACC)[None, :]
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            p = tl.load(p_ptr + rm[:, None] * s_pm + rk[None, :] * s_pk,
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # (BM, BK)
+            q = tl.load(q_ptr + rk[:, None] * s_qk + rn[None, :] * s_qn,
+                        mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # (BK, BN)
+            acc = _dot(p, q, acc, DT, ACC, UPCAST, IEEE)
     return acc
 
 
@@ -126,11 +138,11 @@ def _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
 @triton.jit
 def _lora_add_kernel(out_ptr, p_ptr, q_ptr, M, N, K, scale, s_om, s_on, s_pm, s_pk, s_qk, s_qn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr,
-                     ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                     ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = _lowrank_tile(p_ptr, q_ptr, rm, rn, M, N, K, s_pm, s_pk, s_qk, s_qn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE)
+                       BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE, FMA)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     ptrs = out_ptr + rm[:, None] * s_om + rn[None, :] * s_on
     base = tl.load(ptrs, mask=mask, other=0.0).to(ACC)
@@ -254,9 +266,9 @@ def _lora_grad_a_kernel(x_ptr, dxa_ptr, part_ptr, seed_ptr, M, K, rows_per_part,
 @triton.jit
 def _dx_term(acc, dxa_ptr, a_ptr, rm, rn, M, K, r, s_dm, s_ar, s_ak, kr, kc, thr, sc,
              DROP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-             DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+             DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr):
     lo = _lowrank_tile(dxa_ptr, a_ptr, rm, rn, M, K, r, s_dm, 1, s_ar, s_ak, BLOCK_M, BLOCK_N, BLOCK_R, DT, ACC,
-                       UPCAST, IEEE)
+                       UPCAST, IEEE, FMA)
     if DROP:  # the adapter saw drop(x): its gradient reaches x only where x was kept
         lo = lo * _drop_factor(_index_keys(rm, kr), _index_keys(rn, kc), thr, sc, ACC)
     return acc + lo
@@ -267,21 +279,21 @@ def _lora_dx_kernel(gx_ptr, dxa_ptr, a_ptr, seed_ptr, M, K, s_gm, s_gk, s_dm, s_
                     r0, r1, r2, salt0, salt1, salt2, thr0, thr1, thr2, sc0, sc1, sc2,
                     NA: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DT: tl.constexpr,
-                    ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                    ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     kr0, kc0 = _stream(seed_ptr, salt0)
     acc = _dx_term(acc, dxa_ptr, a_ptr, rm, rn, M, K, r0, s_dm, s_ar, s_ak, kr0, kc0, thr0, sc0, D0,
-                   BLOCK_M, BLOCK_N, BLOCK_R, DT, ACC, UPCAST, IEEE)
+                   BLOCK_M, BLOCK_N, BLOCK_R, DT, ACC, UPCAST, IEEE, FMA)
     if NA > 1:
         kr1, kc1 = _stream(seed_ptr, salt1)
         acc = _dx_term(acc, dxa_ptr + r0, a_ptr + r0 * s_ar, rm, rn, M, K, r1, s_dm, s_ar, s_ak, kr1, kc1, thr1, sc1,
-                       D1, BLOCK_M, BLOCK_N, BLOCK_R, DT, ACC, UPCAST, IEEE)
+                       D1, BLOCK_M, BLOCK_N, BLOCK_R, DT, ACC, UPCAST, IEEE, FMA)
     if NA > 2:
         kr2, kc2 = _stream(seed_ptr, salt2)
         acc = _dx_term(acc, dxa_ptr + r0 + r1, a_ptr + (r0 + r1) * s_ar, rm, rn, M, K, r2, s_dm, s_ar, s_ak, kr2,
-                       kc2, thr2, sc2, D2, BLOCK_M, BLOCK_N, BLOCK_R, DT, ACC, UPCAST, IEEE)
+                       kc2, thr2, sc2, D2, BLOCK_M, BLOCK_N, BLOCK_R, DT, ACC, UPCAST, IEEE, FMA)
     mask = (rm[:, None] < M) & (rn[None, :] < K)
     ptrs = gx_ptr + rm[:, None] * s_gm + rn[None, :] * s_gk
     tl.store(ptrs, cast(tl.load(ptrs, mask=mask, other=0.0).to(ACC) + acc, gx_ptr.dtype.element_ty), mask=mask)
@@ -297,7 +309,7 @@ def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G,
                          s_xm, s_xk, s_bgk, s_bgn, s_buk, s_bun,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          HAS_G: tl.constexpr, HAS_U: tl.constexpr, GELU: tl.constexpr, DT: tl.constexpr,
-                         ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -307,12 +319,12 @@ def _lora_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, xa_ptr, bg_ptr, bu_ptr, M, N, K_G,
     u = tl.load(u_ptr + offs, mask=mask, other=0.0)
     if HAS_G:
         lg = _lowrank_tile(xa_ptr, bg_ptr, rm, rn, M, N, K_G, s_xm, s_xk, s_bgk, s_bgn,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE, FMA)
         g = cast(g.to(ACC) + scale_g * lg, dt)
         tl.store(g_ptr + offs, g, mask=mask)
     if HAS_U:  # up's xa sits K_G columns after gate's in the shared (M, K_G + K_U) buffer
         lu = _lowrank_tile(xa_ptr + K_G * s_xk, bu_ptr, rm, rn, M, N, K_U, s_xm, s_xk, s_buk, s_bun,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE, FMA)
         u = cast(u.to(ACC) + scale_u * lu, dt)
         tl.store(u_ptr + offs, u, mask=mask)
     a, _ = _act_and_grad(g.to(ACC), GELU)
@@ -328,7 +340,7 @@ def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, 
                          M, N, K, s_dm, s_dk, s_ak, s_an,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_D: tl.constexpr,
                          DROP: tl.constexpr, GELU: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr, FMA: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -337,7 +349,7 @@ def _lora_glu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, dha_ptr, ad_ptr, 
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(ACC)
     if HAS_D:
         lo = _lowrank_tile(dha_ptr, ad_ptr, rm, rn, M, N, K, s_dm, s_dk, s_ak, s_an,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DT, ACC, UPCAST, IEEE, FMA)
         if DROP:  # the adapter saw drop(h): its gradient reaches h only where h was kept
             k_row, k_col = _stream(seed_ptr, salt)
             lo = lo * _drop_factor(_index_keys(rm, k_row), _index_keys(rn, k_col), thr, drop_scale, ACC)
@@ -369,10 +381,12 @@ def _consts_of(dt: torch.dtype) -> dict:
 _consts = functools.lru_cache(maxsize=16)(_consts_of)  # the constexpr keywords of products in ``dt``
 
 
-def _tiles(name, m, n):
-    """(grid, launch keywords) of tile kernel ``name`` over an (m, n) output."""
-    bm, bn, warps = CFG[name]
-    return (_common.cdiv(m, bm), _common.cdiv(n, bn)), dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+def _tiles(name, m, n, rank):
+    """(grid, launch keywords) of tile kernel ``name`` over an (m, n) output, its low-rank term
+    of rank ``rank`` (the largest, where several adapters)."""
+    bm, bn, warps, fma_upto = CFG[name]
+    return (_common.cdiv(m, bm), _common.cdiv(n, bn)), dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                                            FMA=rank <= fma_upto)
 
 
 def lora_add_(out, p, q, scale: float):
@@ -380,7 +394,7 @@ def lora_add_(out, p, q, scale: float):
     out's dtype)."""
     m, n = out.shape
     if m and n:
-        grid, launch = _tiles("add", m, n)
+        grid, launch = _tiles("add", m, n, p.shape[1])
         _LORA_ADD[grid](out, p, q, m, n, p.shape[1], float(scale), out.stride(0), out.stride(1),
                         p.stride(0), p.stride(1), q.stride(0), q.stride(1), BLOCK_K=_block_r(p.shape[1]),
                         **_consts(out.dtype), **launch)
@@ -457,7 +471,7 @@ def add_dx_(gx, dxa, a_cat, seed, ranks, ps, salts):
     m, k = gx.shape
     if m and k:
         args, flags = _slots(ranks, ps, salts)
-        grid, launch = _tiles("dx", m, k)
+        grid, launch = _tiles("dx", m, k, max(ranks))
         _LORA_DX[grid](
             gx, dxa, a_cat, seed, m, k, gx.stride(0), gx.stride(1), dxa.stride(0), a_cat.stride(0), a_cat.stride(1),
             *args, **flags, BLOCK_R=_block_r(max(ranks)), **_consts(gx.dtype), **launch)
@@ -470,7 +484,7 @@ def glu_fwd_(g, u, h, xa, b_gate, b_up, r_g, r_u, s_g, s_u, gelu):
     if m and n:
         bg = b_gate if b_gate is not None else g
         bu = b_up if b_up is not None else g
-        grid, launch = _tiles("glu_fwd", m, n)
+        grid, launch = _tiles("glu_fwd", m, n, max(r_g, r_u))
         _LORA_GLU_FWD[grid](
             g, u, h, xa, bg, bu, m, n, r_g, r_u, float(s_g), float(s_u), xa.stride(0), xa.stride(1),
             bg.stride(1), bg.stride(0), bu.stride(1), bu.stride(0), BLOCK_K=_block_r(max(r_g, r_u, 1)),
@@ -486,7 +500,7 @@ def glu_bwd_(dh, g, u, dg, du, dha, a_down, seed, p, gelu):
         da = dha if has_d else g
         r = a_down.shape[0] if has_d else 1
         word = drop_spec.signed(drop_spec.salt_word(drop_spec.SALT["down"]))
-        grid, launch = _tiles("glu_bwd", m, n)
+        grid, launch = _tiles("glu_bwd", m, n, r)
         _LORA_GLU_BWD[grid](
             dh, g, u, dg, du, da, ad, seed if p else g, word, drop_spec.threshold(p), drop_spec.scale(p), m, n, r,
             da.stride(0), da.stride(1), ad.stride(0), ad.stride(1), BLOCK_K=_block_r(r), HAS_D=has_d,

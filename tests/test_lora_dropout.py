@@ -20,7 +20,7 @@ from forge import ops  # noqa: E402
 from forge.spec import lora_dropout as D  # noqa: E402
 from forge.spec import lora_mlp as mlp_spec  # noqa: E402
 from forge.spec import lora_qkv as qkv_spec  # noqa: E402
-from test_lora import (BACKENDS, F32, LLAMA8B, MLP_CPU, MLP_GPU, MLP_VARIANTS, MLP_VARIANTS_GPU, ONE_ROW,  # noqa: E402
+from test_lora import (ADAPTER_SHAPES, BACKENDS, F32, LLAMA8B, MLP_CPU, MLP_GPU, MLP_VARIANTS, MLP_VARIANTS_GPU, ONE_ROW,  # noqa: E402
                        QKV_CPU, QKV_GPU, QKV_VARIANTS, QKV_VARIANTS_GPU, _assert_agree, _check, _grid, mlp_case,
                        qkv_case)
 
@@ -68,6 +68,24 @@ def test_dropout_fp32_adapters_on_bf16(backend, shapes, device):
         _check("lora_qkv", backend, qkv_spec.reference,
                with_dropout(qkv_case(shapes[0], 16, False, torch.bfloat16, device, adapter_dtype=F32),
                             dict.fromkeys("qkv", 0.05), device))
+
+
+@pytest.mark.parametrize("how", ["dot", "outer_products"])
+@pytest.mark.parametrize("shapes", ADAPTER_SHAPES)
+def test_triton_low_rank_term_either_way(how, shapes, monkeypatch, device):
+    # the Triton tile kernels (add, dx, glu_fwd, glu_bwd) compute their rank-r term with tl.dot or
+    # as r outer products (CFG's fourth entry picks by rank): both against the reference, with
+    # dropout, fp32 adapters on a bf16 model and an all-fp32 model
+    from forge_triton import lora_kernels
+
+    upto = 0 if how == "dot" else 1024
+    for key in ("add", "dx", "glu_fwd", "glu_bwd"):
+        monkeypatch.setitem(lora_kernels.CFG, key, lora_kernels.CFG[key][:3] + (upto,))
+    for dt, adt in ((torch.bfloat16, F32), (F32, None)):
+        _check("lora_mlp", "triton", mlp_spec.reference,
+               with_dropout(mlp_case(shapes[1], 16, "silu", dt, device, adapter_dtype=adt), MLP_DROP, device))
+        _check("lora_qkv", "triton", qkv_spec.reference,
+               with_dropout(qkv_case(shapes[0], 8, True, dt, device, adapter_dtype=adt), QKV_DROP, device))
 
 
 def test_dropout_agree(device):

@@ -21,7 +21,10 @@ import _common as bc  # noqa: E402
 
 from forge_triton import lora_kernels as K  # noqa: E402
 
-TILES = [(bm, bn, w) for bm, bn, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8)) if bm * bn <= 16384]
+# (the fourth entry: the largest rank run as outer products on the CUDA cores, 0 = tl.dot always)
+TILES = [(bm, bn, w, f) for bm, bn, w, f in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (0, 64))
+         if bm * bn <= 16384]
+TILE_KERNELS = ("add", "dx", "glu_fwd", "glu_bwd")
 ROWS = [(bm, bk, w, per_sm) for bm, bk, w, per_sm in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 4))
         if bm * bk <= 16384]
 
@@ -72,14 +75,22 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dropout", type=float, default=0.05)
     ap.add_argument("--quick", action="store_true", help="the current settings only")
+    ap.add_argument("--kernels", default=None, help="comma-separated CFG keys to time (default: all)")
+    ap.add_argument("--fma", choices=["both", "on", "off"], default="both",
+                    help="tile kernels: time outer-product and/or tl.dot low-rank terms")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU: it times compiled kernels")
     default = dict(K.CFG)
     rows = []
+    want = set(a.kernels.split(",")) if a.kernels else set(default)
+    tiles = [t for t in TILES if a.fma == "both" or (t[3] > 0) == (a.fma == "on")]
     for name, key, nbytes, fn in cases(a.rows, a.rank, a.dropout, "cuda"):
-        grid = [default[key]] if a.quick else (TILES if len(default[key]) == 3 else ROWS)
+        if key not in want:
+            continue
+        grid = [default[key]] if a.quick else (tiles + [default[key]] if key in TILE_KERNELS else ROWS)
+        grid = list(dict.fromkeys(grid))
         timed = []
         for cfg in grid:
             K.CFG[key] = cfg
