@@ -6,11 +6,17 @@ router, the auxiliary loss and everything around the module are left as they are
 
 A module is declined, with its reason under ``experts`` in ``_forge_skipped``, where the kernel
 would compute something else: an activation other than silu, biases, transposed or interleaved
-weights, no gate, or expert weights peft wraps (``target_parameters`` LoRA: the adapter lives in
-a parametrization of the weight, which forge's kernel would not apply). A call the kernel does
-not take (the act_fn swapped after patching, hidden not 2-D, hidden in another dtype than the
-weights, e.g. under autocast, or a weight parametrized after patching) runs the module's own
-forward, counted as a fallback.
+weights, no gate. A call the kernel does not take (the act_fn swapped after patching, hidden not
+2-D, hidden in another dtype than the weights, e.g. under autocast, or parametrized weights that
+are not 3-D) runs the module's own forward, counted as a fallback.
+
+The weights are read as the module's own forward reads them, through any parametrization: peft's
+LoRA on the expert weights (``target_parameters``) registers one around each call (the weight
+plus ``scaling * lhs @ rhs`` per expert, from factors of the adapter's A and B), so the kernel
+runs on the adapted weights and autograd takes their gradient on to A and B. Where every
+parametrization of a weight is peft's factored one, the node does not keep the adapted weight
+(one more expert stack per weight and layer) for its backward but what makes it (the frozen
+weight and the rank-r factors), and the backward rebuilds it.
 """
 from __future__ import annotations
 
@@ -43,22 +49,81 @@ def _decline(name, mod) -> str | None:
     gu, dn = mod.gate_up_proj, mod.down_proj
     if gu.dim() != 3 or dn.dim() != 3:
         return f"{name} expert weights are not 3-D"
-    if "base_layer" in name.split(".") or parametrize.is_parametrized(mod):
-        return f"{name}: peft wraps its expert weights (LoRA target_parameters), which forge's kernel would drop"
     return None
+
+
+# peft's parametrization of a targeted weight with one adapter and several experts: W + scaling *
+# lhs @ rhs (one baddbmm); a deterministic function of the frozen weight and two small factors
+_PEFT_FACTORS = "_LoraFactorsProxy"
+
+
+class _Rebuilt:
+    """What the node keeps in place of an adapted weight: the parametrizations that made it from
+    the original, run again (without grad: the adapter's gradient flows through the forward's
+    graph of the weight, not through the saved copy) when the backward asks for it."""
+
+    __slots__ = ("original", "chain")
+
+    def __init__(self, original, chain):
+        self.original, self.chain = original, chain
+
+    def get(self):
+        with torch.no_grad():
+            w = self.original
+            for m in self.chain:
+                w = m(w)
+            return w
+
+
+def _rebuildable(mod, name, value) -> tuple | None:
+    """(signature of ``value``, _Rebuilt) when ``value`` is weight ``name`` as peft's factored
+    LoRA made it."""
+    if not parametrize.is_parametrized(mod, name):
+        return None
+    plist = mod.parametrizations[name]
+    if not len(plist) or any(type(m).__name__ != _PEFT_FACTORS for m in plist):
+        return None
+    return _signature(value), _Rebuilt(plist.original, tuple(plist))
+
+
+def _signature(t) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _unpack(p):
+    return p.get() if isinstance(p, _Rebuilt) else p
+
+
+def _keep_recipes(items):
+    """saved_tensors_hooks that save each adapted weight of ``items`` (found by its signature:
+    every saved tensor keeps both hooks, which therefore hold no weight) as its _Rebuilt."""
+    def pack(t):
+        sig = _signature(t)
+        for s, rebuilt in items:
+            if s == sig:
+                return rebuilt
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
 
 def forward_of(kernel, act_type, orig, ks, compiling):
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        gu = self.gate_up_proj
+        gu, dn = self.gate_up_proj, self.down_proj  # through peft's parametrizations, if any
         if (type(self._modules.get("act_fn")) is not act_type or hidden_states.dim() != 2
-                or hidden_states.dtype != gu.dtype or parametrize.is_parametrized(self)):
+                or hidden_states.dtype != gu.dtype or gu.dim() != 3 or dn.dim() != 3):
             if not compiling():
                 ks.fallback += 1
             return orig(self, hidden_states, top_k_index, top_k_weights)
-        if not compiling():
-            ks.fused += 1
-        return kernel(hidden_states, top_k_index, top_k_weights, gu, self.down_proj, act="silu")
+        args = (hidden_states, top_k_index, top_k_weights, gu, dn)
+        if compiling():  # (the compiled graph decides what it saves)
+            return kernel(*args, act="silu")
+        ks.fused += 1
+        items = [r for r in (_rebuildable(self, n, v) for n, v in zip(WEIGHTS, (gu, dn))) if r]
+        if items and torch.is_grad_enabled():
+            with _keep_recipes(items):
+                return kernel(*args, act="silu")
+        return kernel(*args, act="silu")
 
     return forward
 
