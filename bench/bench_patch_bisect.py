@@ -39,12 +39,20 @@ ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 def lora_config(spec: str):
-    """``R,ALPHA,DROPOUT[,MODULE...]`` -> peft LoraConfig keywords (every projection by default)."""
+    """``R,ALPHA,DROPOUT[,MODULE...]`` -> peft LoraConfig keywords (every projection by default).
+    A MODULE naming a mixture of experts' 3-D weight (``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``) goes to peft's ``target_parameters`` (peft wants DROPOUT 0 then)."""
     parts = spec.split(",")
     if len(parts) < 3:
         raise argparse.ArgumentTypeError(f"--lora takes R,ALPHA,DROPOUT[,MODULE...], got {spec!r}")
     r, alpha, drop = int(parts[0]), float(parts[1]), float(parts[2])
-    return dict(r=r, lora_alpha=alpha, lora_dropout=drop, bias="none", target_modules=list(parts[3:] or ALL_PROJ))
+    names = list(parts[3:] or ALL_PROJ)
+    params = [n for n in names if "experts." in n]
+    cfg = dict(r=r, lora_alpha=alpha, lora_dropout=drop, bias="none",
+               target_modules=[n for n in names if n not in params])
+    if params:
+        cfg["target_parameters"] = params
+    return cfg
 
 
 def _lora(model, spec):

@@ -127,6 +127,17 @@ def test_guard_crossover_rule():
     assert crossover(sizes, [2] * 5, [1] * 5) == 1
 
 
+def test_lora_spec_puts_expert_weights_in_target_parameters():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_patch_bisect import ALL_PROJ, lora_config
+
+    assert lora_config("16,32,0.05") == dict(r=16, lora_alpha=32.0, lora_dropout=0.05, bias="none",
+                                             target_modules=list(ALL_PROJ))
+    got = lora_config("8,16,0,q_proj,v_proj,mlp.experts.gate_up_proj,mlp.experts.down_proj")
+    assert got["target_modules"] == ["q_proj", "v_proj"]
+    assert got["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
 def test_device_gaps_charge_idle_time_to_the_launching_ops():
     # a synthetic trace: k2 launched late inside op > mm (its 60 us gap is the host's), k3
     # launched long before the device reached it (a 100 us gap that is not); a 10 us gap and a
