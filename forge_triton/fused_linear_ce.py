@@ -33,12 +33,11 @@ host: the mean's divisor is a device tensor the kernels load.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
+from forge.spec import _products as P
 from forge.spec import fused_linear_ce as spec
 
 from . import _common, _launch
@@ -186,83 +185,9 @@ def scale_(g, c):
 
 
 # ------------------------------------------------------------------------------- matmuls
-_ADDMM_F32 = None  # whether torch.addmm(out_dtype=fp32) accumulates in place here
-
-
-_MM_F32 = None  # whether torch.mm(out_dtype=fp32) exists here (torch >= 2.8 on CUDA)
-
-
-def _mm_f32(a, b):
-    """a @ b with an fp32 (fp64) result from low-precision operands: cuBLAS accumulates in fp32
-    and writes fp32, so the logits carry no bf16 rounding (the spec's logits are fp32)."""
-    global _MM_F32
-    if a.dtype in (torch.float32, torch.float64):
-        return torch.mm(a, b)
-    if a.is_cuda and _MM_F32 is not False:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _MM_F32 = True
-            return out
-        except (RuntimeError, TypeError):
-            _MM_F32 = False
-    return torch.mm(a.float(), b.float())  # the interpreter path (CPU tests), or an old torch
-
-
-def _addmm_f32_(acc, a, b):
-    """acc += a @ b, acc fp32, a and b in the input dtype."""
-    global _ADDMM_F32
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    if a.is_cuda and _ADDMM_F32 is not False:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _ADDMM_F32 = True
-            return
-        except (RuntimeError, TypeError):  # older torch: no in-place fp32-out addmm
-            _ADDMM_F32 = False
-    acc.add_(_mm_f32(a, b))
-
-
-_REDUCED_FLAG = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
-                 torch.float16: "allow_fp16_reduced_precision_reduction"}
-
-
-@contextlib.contextmanager
-def _one_rounding(dtype):
-    """cuBLAS may not reduce split-K partial sums in ``dtype`` (torch allows it by default for
-    bf16/fp16): the flag is cleared for the call, so a product written in ``dtype`` is rounded
-    once from its fp32 accumulation."""
-    flags, attr = torch.backends.cuda.matmul, _REDUCED_FLAG[dtype]
-    old = getattr(flags, attr)
-    setattr(flags, attr, False)
-    try:
-        yield
-    finally:
-        setattr(flags, attr, old)
-
-
-def _mm_into(out, a, b):
-    """out = a @ b, fp32 accumulation rounded once to out's dtype: cuBLAS writes bf16/fp16 out
-    directly (:func:`_one_rounding`); else through an fp32 temporary."""
-    if a.dtype == out.dtype and out.dtype in (torch.float32, torch.float64):
-        torch.mm(a, b, out=out)
-        return
-    if not (a.is_cuda and out.dtype in _REDUCED_FLAG and a.dtype == out.dtype):
-        out.copy_(_mm_f32(a, b))
-        return
-    with _one_rounding(out.dtype):
-        torch.mm(a, b, out=out)
-
-
-def _addmm_into_(out, a, b):
-    """out += a @ b in one cuBLAS call (beta = 1): fp32 accumulation of the product and out,
-    rounded once to out's dtype."""
-    if not (out.is_cuda and out.dtype in _REDUCED_FLAG):
-        out.addmm_(a, b)
-        return
-    with _one_rounding(out.dtype):
-        out.addmm_(a, b)
+# torch's products with the spec's roundings, and the row-chunk strategy's loop around this
+# module's kernels: forge.spec._products (the Pallas backend's loss shares them)
+_mm_f32, _addmm_f32_, _mm_into = P.mm_f32, P.addmm_f32_, P.mm_into
 
 
 def _dz_over(z, dt):
@@ -368,16 +293,15 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
 
 def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, label_smoothing, z_loss,
                need_h, need_w, need_b, chunk_rows):
-    """Row chunks, every column at once: per chunk of C rows, z = h[chunk] @ W^T (C, V) fp32;
-    the stats kernel forms each row's lse and loss in one tile; the grad kernel writes dL/dz
-    over z's own bytes (bf16 over the first half of each fp32 row); then grad_h[chunk] =
-    dz @ W (one write) and grad_W += dz^T @ h[chunk] (cuBLAS beta = 1 into the grad_W buffer).
-    Three matmuls, eager's count, against the vocabulary tiles' four; the price is one rounding
-    of the low-precision grad_W per chunk (one per tile there) and a read + write of grad_W per
-    chunk after the first, which is why spec.row_chunk makes the chunks as tall as its budget allows."""
-    n, hd = hidden.shape
+    """Row chunks, every column at once (forge.spec._products.row_chunks runs the products):
+    per chunk of C rows the stats kernel forms each row's lse and loss in one tile over
+    z = h[chunk] @ W^T (C, V) fp32, and the grad kernel writes dL/dz over z's own bytes (bf16
+    over the first half of each fp32 row). Three matmuls, eager's count, against the vocabulary
+    tiles' four; the price is one rounding of the low-precision grad_W per chunk (one per tile
+    there) and a read + write of grad_W per chunk after the first, which is why spec.row_chunk
+    makes the chunks as tall as its budget allows."""
     v = weight.shape[0]
-    dev, dt = hidden.device, hidden.dtype
+    dt = hidden.dtype
     acc_t = _common.acc_torch(dt)
     labels, (m_buf, s_buf, t_buf, sz_buf, rows), common, flags, bias_arg = _setup(
         hidden, weight, labels, bias, v, ignore_index=ignore_index, softcap=softcap,
@@ -386,38 +310,24 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
     need_grad = need_h or need_w or need_b
     if need_grad:
         scale = torch.where(div == 0, torch.zeros_like(div), 1.0 / div).to(acc_t)  # () on the device
-    gh = torch.zeros((n, hd), dtype=acc_t, device=dev) if need_h else None  # rows written once
-    gw = None
-    if need_w:  # (every row written by the first chunk; none without rows)
-        gw = _common.empty(weight.shape, weight.dtype, dev) if n else torch.zeros_like(weight)
-    gb = torch.zeros((v,), dtype=acc_t, device=dev) if need_b else None
-    wt = weight.t()
-    for i, r0 in enumerate(range(0, n, chunk_rows)):
-        r1 = min(r0 + chunk_rows, n)
-        h_c, y_c, lse_c = hidden[r0:r1], labels[r0:r1], m_buf[r0:r1]
-        z = _mm_f32(h_c, wt)  # (C, V)
+
+    def kernels(r0, r1, z):
+        y_c, lse_c = labels[r0:r1], m_buf[r0:r1]
         _STATS[(r1 - r0,)](
             z, bias_arg, y_c, lse_c, s_buf[r0:r1], t_buf[r0:r1], sz_buf[r0:r1], rows[r0:r1],
             z.stride(0), 0, v, v, **common, z_loss=float(z_loss), SMOOTH=eps > 0, FIRST=True,
             LAST=True, **flags, num_warps=8,
         )
         if not need_grad:
-            continue
+            return None
         g = _dz_over(z, dt)  # (C, V)
         _GRAD[(r1 - r0,)](
             z, g, bias_arg, y_c, lse_c, scale, z.stride(0), g.stride(0), 0, v, **common,
             two_z_loss=2.0 * float(z_loss), **flags, SYNC=g is not z, num_warps=8,
         )
-        if need_h:
-            _addmm_f32_(gh[r0:r1], g, weight)  # (C, H) = (C, V) @ (V, H), once per row
-        if need_w:
-            if i == 0:
-                _mm_into(gw, g.t(), h_c)  # (V, H)
-            else:
-                _addmm_into_(gw, g.t(), h_c)
-        if need_b:
-            gb += g.sum(0, dtype=acc_t)
-        del z, g
+        return g
+
+    gh, gw, gb = P.row_chunks(hidden, weight, chunk_rows, need_h, need_w, need_b, kernels, _common.empty)
     loss = rows.sum() / div
     if gb is not None:
         gb = gb.to(bias.dtype)
