@@ -193,6 +193,13 @@ def _run_fwd(kdef, skey, tensors):
     return _run_fwd_dlpack(kdef, skey, tensors)
 
 
+def run_fwd(kdef: KernelDef, *tensors, **static) -> tuple:
+    """The outputs (a tuple) of ``kdef``'s forward on torch tensors, natively launched where a
+    plan serves it: no autograd and never through the op layer, for passes that a bridged
+    kernel's own torch-side driver runs (the fused loss's row chunks)."""
+    return _run_fwd(kdef, tuple(static.items()), dlpack.prepare_all(tensors, kdef.name))[0]
+
+
 def _run_fwd_dlpack(kdef, skey, tensors):
     _refuse_capture(kdef, "fwd")
     outs, res = kdef.fwd_fn(skey)(*dlpack.inputs_to_jax(kdef, tensors))

@@ -11,15 +11,23 @@ jitted forward, its gradients come back as torch tensors (zero copy) and the bac
 them in place. That is safe: they are outputs of a finished JAX computation, fresh buffers that
 JAX holds no other use of once the arrays are dropped (nothing is donated or forwarded), and
 ``torch.from_dlpack`` orders torch's stream after JAX's (see bridge/dlpack.py's docstring).
+
+Where the native path runs (a CUDA device: ``bridge.native``) and the row-chunk strategy is
+picked (the default wherever gradients are wanted), the loss does not go through JAX at all:
+:func:`_rows_native` runs the chunks' products through torch (forge.spec._products.row_chunks,
+the Triton backend's loop) and launches the two Pallas kernels of each chunk natively on torch's
+stream (``flce_chunk_stats``, ``flce_chunk_grad``), so nothing crosses DLPack and a CUDA graph
+can capture the loss. The vocabulary tiles and float64 stay on the one jitted function.
 """
 from __future__ import annotations
 
 import torch
 
+from forge.spec import _products
 from forge.spec import fused_linear_ce as spec
 from forge_pallas import fused_linear_ce as _k
 
-from . import core, dlpack
+from . import core, dlpack, native
 
 # XLA keeps more scratch live around the tiled loop than the Triton path (measured on the H200:
 # 814 MiB extra at 4096 x 896 x 151936 with the Triton path's 1/16), so its tiles are narrower
@@ -32,6 +40,9 @@ LOGITS_FRACTION = 1 / 32
 # the DLPack path: its tiles loop in XLA (fori_loop, dynamic slices), and one call per step
 # makes the ~0.1 ms of import cost per tensor negligible beside its milliseconds of matmuls.
 FLCE = core.KernelDef("fused_linear_ce", fwd=_k.flce_fwd, bwd=None, diff=())
+# one row chunk's kernels, natively launched (inputs: z, labels, state or lse and row weights[, bias])
+CHUNK_STATS = core.KernelDef("flce_chunk_stats", fwd=_k.flce_chunk_stats, bwd=None, diff=())
+CHUNK_GRAD = core.KernelDef("flce_chunk_grad", fwd=_k.flce_chunk_grad, bwd=None, diff=())
 
 
 def compute(tensors, static, need_h, need_w, need_b):
@@ -43,11 +54,46 @@ def compute(tensors, static, need_h, need_w, need_b):
         rows = spec.row_chunk(n, v, rows, need_grad=need_h or need_w or need_b)
         if rows is None:
             static["tile_vocab"] = spec.tile_width(n, v, logits_fraction=LOGITS_FRACTION)
+    if rows and tensors[0].dtype != torch.float64 and native.available()[0]:
+        with torch.autocast(tensors[0].device.type, enabled=False):  # the products keep fp32 logits
+            return _rows_native(tensors, static, rows, need_h, need_w, need_b)
     skey = tuple(dict(static, grads_for=(need_h, need_w, need_b), chunk_rows=rows).items())
     (loss,), res = FLCE.fwd_fn(skey)(*dlpack.inputs_to_jax(FLCE, tensors))
     # every output through torch.from_dlpack before returning (bridge/dlpack.py's rule 2)
     loss, it = dlpack.to_torch(loss), iter([dlpack.to_torch(r) for r in res])
     return (loss, *(next(it) if want else None for want in (need_h, need_w, need_b)))
+
+
+def _rows_native(tensors, static, rows, need_h, need_w, need_b):
+    """The row-chunk strategy with torch's products around the natively launched chunk kernels
+    (see the module docstring): (loss, grad_h fp32 | None, grad_W | None, grad_b | None)."""
+    hidden, weight, labels, div = tensors[:4]
+    bias = tensors[4:]  # () or (bias,)
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = torch.float32
+    eps, z_loss, softcap = static["label_smoothing"], static["z_loss"], static["softcap"]
+    valid = labels != static["ignore_index"]
+    div = div.to(acc)
+    w_rows = torch.where(valid & (div != 0), 1.0 / div, torch.zeros((), dtype=acc, device=div.device))  # (N,)
+    loss_rows = torch.empty(n, dtype=acc, device=hidden.device)
+    coefs = dict(one_minus_eps=1.0 - eps, eps_over_v=eps / v, two_z_loss=2.0 * z_loss)
+    dtype = str(hidden.dtype).removeprefix("torch.")
+
+    def kernels(r0, r1, z):
+        y_c, c = labels[r0:r1], r1 - r0
+        zero = torch.zeros(c, dtype=acc, device=z.device)
+        m, s, t, sz = core.run_fwd(CHUNK_STATS, z, y_c, torch.full_like(zero, float("-inf")), zero, zero, zero,
+                                   *bias, softcap=softcap, smooth=eps > 0)
+        lse = m + torch.log(s)
+        loss_rows[r0:r1] = _k.row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss)
+        if not (need_h or need_w or need_b):
+            return None
+        return core.run_fwd(CHUNK_GRAD, z, y_c, lse, w_rows[r0:r1], *bias, softcap=softcap, dtype=dtype,
+                            **coefs)[0]
+
+    gh, gw, gb = _products.row_chunks(hidden, weight, rows, need_h, need_w, need_b, kernels)
+    loss = torch.where(valid, loss_rows, 0.0).sum() / div
+    return loss, gh, gw, None if gb is None else gb.to(hidden.dtype)
 
 
 def prepare(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="mean",

@@ -241,8 +241,10 @@ def tile_width(n, v, tile_vocab):
     return max(1, min(int(tile_vocab), v))
 
 
-def _row_loss(lse, t, sz, *, eps, v, z_loss):
-    """Each row's loss (1-eps)(lse - z_y) + eps(lse - mean z) + z_loss lse^2 from its statistics."""
+def row_loss(lse, t, sz, *, eps, v, z_loss):
+    """Each row's loss (1-eps)(lse - z_y) + eps(lse - mean z) + z_loss lse^2 from its statistics
+    (arithmetic only: JAX arrays or torch tensors alike; bridge/fused_linear_ce.py uses it on
+    torch's side)."""
     return lse - (1.0 - eps) * t - (eps / v) * sz + z_loss * lse * lse
 
 
@@ -295,7 +297,7 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
     zero = jnp.zeros((n,), acc)
     m, s, t, sz = _over_tiles(v, vc, pass1, (jnp.full((n,), -jnp.inf, acc), zero, zero, zero))
     lse = m + jnp.log(s)  # (N,)
-    rows = _row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss)
+    rows = row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss)
     loss = jnp.sum(jnp.where(valid, rows, 0)) / div.astype(acc)
 
     need_h, need_w, need_b = grads_for
@@ -365,7 +367,7 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
         m, s, t, sz = _stats(z, bias, y_c, (jnp.full((r1 - r0,), -jnp.inf, acc), zero, zero, zero),
                              softcap=softcap, smooth=eps > 0)
         lse = m + jnp.log(s)
-        losses.append(_row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss))
+        losses.append(row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss))
         if not need_grad:
             continue
         g = _grad(z, bias, y_c, lse, w_rows[r0:r1], dt, softcap=softcap, **coefs)  # (C, V)
@@ -384,3 +386,21 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
     if gb is not None:
         gb = gb.astype(dt)
     return (loss,), tuple(x for x in (gh, gw, gb) if x is not None)
+
+
+# ------------------------------------------------------- one row chunk (natively launched)
+# The row-chunk strategy with the products in torch (bridge/fused_linear_ce.py drives it with
+# forge.spec._products.row_chunks, as the Triton backend does): per chunk only the two kernels
+# run here, each a pass of its own that the bridge launches natively on torch's stream.
+def flce_chunk_stats(z, yl, m0, s0, t0, sz0, bias=None, *, softcap, smooth):
+    """z (C, V) fp32 logits of one chunk, yl (C,) its labels, the running state (max -inf, the
+    rest 0; inputs, so the pass is the kernel alone) -> ((max, sum-exp, target logit, logit
+    sum), ())."""
+    return _stats(z, bias, yl, (m0, s0, t0, sz0), softcap=softcap, smooth=smooth), ()
+
+
+def flce_chunk_grad(z, yl, lse, w, bias=None, *, softcap, dtype, one_minus_eps, eps_over_v, two_z_loss):
+    """dL/dz (C, V) in ``dtype`` (a name) for one chunk from its logits, labels, lse and row
+    weights (valid / divisor) -> ((dz,), ())."""
+    return (_grad(z, bias, yl, lse, w, jnp.dtype(dtype), softcap=softcap, one_minus_eps=one_minus_eps,
+                  eps_over_v=eps_over_v, two_z_loss=two_z_loss),), ()

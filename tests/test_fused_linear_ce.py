@@ -23,7 +23,7 @@ from oracle import check_op
 BACKENDS = list(ops.BACKENDS)  # from the registry (forge.ops.BACKENDS_TABLE)
 # every backend with each strategy: vocabulary tiles, and row chunks (CPU 4 rows -> 4 chunks of
 # 13 rows, the last ragged; GPU 128 rows) forced where the default would pick the tiles
-VARIANTS = ["triton", "triton-rows", "pallas", "pallas-rows"]
+VARIANTS = ["triton", "triton-rows", "pallas", "pallas-rows", "pallas-rows-native"]
 ROWS = {"cpu": 4, "gpu": 128}
 DTYPES = [torch.float32, torch.bfloat16]
 TILE = 256  # CPU tile width: 1000 columns -> 4 tiles, the last ragged
@@ -39,9 +39,35 @@ CASES = {
 }
 
 
+def _natively(fn):
+    """``fn`` with the Pallas kernels natively launched (bridge.native): on a CPU its plans run
+    with each pallas_call evaluated by JAX (on a GPU the default launch is native already)."""
+    from bridge import native
+
+    def call(*a, **k):
+        if native.launcher() == "jax" or native.available()[0]:
+            return fn(*a, **k)
+        native.set_launcher("jax")
+        try:
+            out = fn(*a, **k)
+            st = native.status()
+            # the chunks' kernels ran as plans (none without rows; float64 stays on the jitted
+            # function, as the derivative check's loss does)
+            planned = a[0].shape[0] and a[0].dtype != torch.float64
+            assert (st["plans"] >= 1 or not planned) and not st["declined"], st
+            return out
+        finally:
+            native.set_launcher(None)
+    return call
+
+
 def _kernel(variant, tile=TILE, rows=None):
     """The variant's loss; ``tile`` a CPU-sized vocabulary tile (None: real shapes, the default
-    sizing), for "<backend>-rows" a row chunk instead (``rows``, else ROWS by shape kind)."""
+    sizing), for "<backend>-rows" a row chunk instead (``rows``, else ROWS by shape kind);
+    "pallas-rows-native": the row chunks' Pallas kernels launched natively (torch's products
+    around them)."""
+    if variant.endswith("-native"):
+        return _natively(_kernel(variant.removesuffix("-native"), tile, rows))
     if variant.endswith("-rows"):
         rows = rows or ROWS["cpu" if tile else "gpu"]
         return functools.partial(ops.get("fused_linear_ce", variant[:-5]), chunk_rows=rows)
@@ -453,3 +479,22 @@ def test_pallas_grad_w_accumulate(dtype, shape, blocks):
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
     # one rounding of each result to the output dtype (bf16: 2^-9 of its size), fp32 sums
     assert err <= (2.0**-8 if dtype == "bfloat16" else 1e-5), err
+
+
+@pytest.mark.gpu
+def test_pallas_row_chunks_cross_no_dlpack(monkeypatch, device):
+    # on a GPU the Pallas loss's default strategy with gradients (row chunks) runs its kernels
+    # natively on torch's stream: neither its jitted function nor any DLPack launch is reached
+    import bridge.core
+    import bridge.fused_linear_ce as bf
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the row chunks reached JAX through DLPack")
+
+    monkeypatch.setattr(bridge.core, "_run_fwd_dlpack", refuse)
+    monkeypatch.setattr(bf.FLCE, "fwd_fn", refuse)
+    tensors, labels = _inputs(4096, 4096, 128256, torch.bfloat16, device)
+    x = {k: t.requires_grad_() for k, t in tensors.items()}
+    loss = ops.get("fused_linear_ce", "pallas")(x["hidden"], x["weight"], labels)
+    loss.backward()
+    assert torch.isfinite(loss) and x["weight"].grad is not None and x["hidden"].grad is not None

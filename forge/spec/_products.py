@@ -87,7 +87,11 @@ def addmm_into_(out, a, b):
         out.addmm_(a, b)
 
 
-def row_chunks(hidden, weight, chunk_rows, need_h, need_w, need_b, kernels, empty=torch.empty):
+def _empty(shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def row_chunks(hidden, weight, chunk_rows, need_h, need_w, need_b, kernels, empty=_empty):
     """The row-chunk strategy's products: per chunk of C rows, z = h[chunk] @ W^T (C, V) in fp32;
     ``kernels(r0, r1, z)`` (the backend's) forms the chunk's statistics and loss rows and returns
     dL/dz (C, V) in hidden's dtype, or None where no gradient is wanted; then grad_h[chunk] =
