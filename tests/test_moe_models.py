@@ -242,3 +242,38 @@ def test_swapped_activation_is_declined_then_falls_back():
     with torch.no_grad():
         model(ids)
     assert model._forge_guard_stats.fallback("experts") == 1
+
+
+def test_peft_expert_lora_under_outer_saved_tensor_hooks(monkeypatch):
+    """Hooks already active (here counting ones; non-reentrant gradient checkpointing and
+    save_on_cpu are such) see every tensor the expert block saves: forge then keeps the adapted
+    weights as usual instead of pushing its own hooks over them. And gradient checkpointing
+    (use_reentrant=False) gives the gradients of the plain patched step."""
+    model = _peft_expert_lora(_model("qwen3_moe"))
+    ids, labels = batch(model, 2, 4, "cpu", seed=7)
+    forge.patch(model, backend="triton", min_elements=0)
+
+    def step(hooked):
+        model.zero_grad(set_to_none=True)
+        packed = []
+        if hooked:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+                loss = model(ids, labels=labels).loss
+        else:
+            loss = model(ids, labels=labels).loss
+        loss.backward()
+        return len(packed), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = step(False)[1]
+    seen, grads = step(True)
+    monkeypatch.setattr(experts_patch, "_PEFT_FACTORS", "(none)")  # forge's recipes off altogether
+    seen_without, _ = step(True)
+    monkeypatch.undo()
+    assert seen == seen_without > 0
+    for n in plain:
+        assert torch.equal(grads[n], plain[n]), n
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    checkpointed = step(False)[1]
+    for n in plain:
+        torch.testing.assert_close(checkpointed[n], plain[n], rtol=1e-6, atol=1e-7)

@@ -107,6 +107,17 @@ def _keep_recipes(items):
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
 
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _outer_hooks() -> bool:
+    """Whether saved-tensor hooks are active already (non-reentrant gradient checkpointing,
+    ``save_on_cpu``, ...): forge's would hide the call's saved tensors from them, so the node
+    then saves as usual (under checkpointing the adapted weight is recomputed anyway). Where this
+    torch cannot tell, assume they are."""
+    return _top_hooks is None or _top_hooks(False) is not None
+
+
 def forward_of(kernel, act_type, orig, ks, compiling):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         gu, dn = self.gate_up_proj, self.down_proj  # through peft's parametrizations, if any
@@ -120,7 +131,7 @@ def forward_of(kernel, act_type, orig, ks, compiling):
             return kernel(*args, act="silu")
         ks.fused += 1
         items = [r for r in (_rebuildable(self, n, v) for n, v in zip(WEIGHTS, (gu, dn))) if r]
-        if items and torch.is_grad_enabled():
+        if items and torch.is_grad_enabled() and not _outer_hooks():
             with _keep_recipes(items):
                 return kernel(*args, act="silu")
         return kernel(*args, act="silu")
