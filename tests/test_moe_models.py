@@ -48,21 +48,33 @@ def _model(model_type, **kw):
     return build_model(model_type, num_hidden_layers=1, **kw)
 
 
+def _patched_against_copy(model, backend, ids, labels, ref_dtype, dtype, experts):
+    """Patch ``model`` and hold its training step (loss, logits, every gradient) to eager's and a
+    ``ref_dtype`` copy's by the oracle's rule, ``experts`` expert modules patched; the copy runs
+    transformers' eager loop over the experts (torch._grouped_mm takes bf16 only). Returns eager's
+    (loss, logits, grads)."""
+    ref_model = copy.deepcopy(model).to(ref_dtype)
+    hf = ref_model.base_model.model if hasattr(ref_model, "peft_config") else ref_model  # (a peft model)
+    hf.set_experts_implementation("eager")
+    ref = run(ref_model, ids, labels)
+    del ref_model
+    eager = run(model, ids, labels)
+    forge.patch(model, backend=backend, min_elements=0)
+    assert model._forge_patched_counts["experts"] == experts, model._forge_skipped
+    patched = run(model, ids, labels)
+    assert_model_close(patched, eager, ref, dtype, reduction_length(model, ids))
+    return eager
+
+
 @pytest.mark.parametrize("backend", ops.BACKENDS)
 @pytest.mark.parametrize("model_type", arch_table.MOE)
 def test_moe_model_matches_eager(model_type, backend):
     need_experts(backend)
     model = _model(model_type)
     ids, labels = batch(model, 2, 4, "cpu")
-    ref_model = copy.deepcopy(model).double()
-    ref_model.set_experts_implementation("eager")  # torch._grouped_mm takes no float64
-    ref = run(ref_model, ids, labels)
-    eager = run(model, ids, labels)
-    forge.patch(model, backend=backend, min_elements=0)
+    eager = _patched_against_copy(model, backend, ids, labels, torch.float64, torch.float32, 1)
     assert dict(model._forge_patched_counts) == TINY_COUNTS[model_type], model._forge_skipped
     assert "swiglu" not in model._forge_state.info.skipped or "mixture of experts" in model._forge_skipped["swiglu"]
-    patched = run(model, ids, labels)
-    assert_model_close(patched, eager, ref, torch.float32, reduction_length(model, ids))
     assert model._forge_guard_stats.fused("experts") >= 2  # the training step and the logits call
     forge.unpatch(model)
     with torch.no_grad():
@@ -79,15 +91,7 @@ def test_moe_model_matches_eager_gpu(model_type, backend):
     need_experts(backend)
     model = build_model(model_type, "gpu_demo", dtype=torch.bfloat16, device="cuda")
     ids, labels = batch(model, 2, 256, "cuda")
-    ref_model = copy.deepcopy(model).float()
-    ref_model.set_experts_implementation("eager")  # torch._grouped_mm: bf16 only
-    ref = run(ref_model, ids, labels)
-    del ref_model
-    eager = run(model, ids, labels)
-    forge.patch(model, backend=backend, min_elements=0)
-    assert model._forge_patched_counts["experts"] == 4, model._forge_skipped
-    patched = run(model, ids, labels)
-    assert_model_close(patched, eager, ref, torch.bfloat16, reduction_length(model, ids))
+    eager = _patched_against_copy(model, backend, ids, labels, torch.float32, torch.bfloat16, 4)
     assert model._forge_guard_stats.fused("experts") >= 4
     forge.unpatch(model)
     with torch.no_grad():
@@ -149,15 +153,8 @@ def test_peft_lora_on_expert_weights(backend, targets):
     need_experts(backend)
     model = _peft_expert_lora(_model("qwen3_moe"), targets)
     ids, labels = batch(model, 2, 4, "cpu", seed=4)
-    ref_model = copy.deepcopy(model).double()
-    ref_model.base_model.model.set_experts_implementation("eager")  # torch._grouped_mm takes no float64
-    ref = run(ref_model, ids, labels)
-    eager = run(model, ids, labels)
+    eager = _patched_against_copy(model, backend, ids, labels, torch.float64, torch.float32, 1)
     assert any("lora_A" in n for n in eager[2]) and all("lora" in n for n in eager[2])
-    forge.patch(model, backend=backend, min_elements=0)
-    assert model._forge_patched_counts["experts"] == 1, model._forge_skipped
-    patched = run(model, ids, labels)
-    assert_model_close(patched, eager, ref, torch.float32, reduction_length(model, ids))
     assert model._forge_guard_stats.fused("experts") >= 2 and model._forge_guard_stats.fallback("experts") == 0
     forge.unpatch(model)
     with torch.no_grad():
@@ -172,15 +169,7 @@ def test_peft_lora_on_expert_weights_gpu(backend):
     need_experts(backend)
     model = _peft_expert_lora(build_model("qwen3_moe", "gpu_demo", dtype=torch.bfloat16, device="cuda"))
     ids, labels = batch(model, 2, 256, "cuda")
-    ref_model = copy.deepcopy(model).float()
-    ref_model.base_model.model.set_experts_implementation("eager")
-    ref = run(ref_model, ids, labels)
-    del ref_model
-    eager = run(model, ids, labels)
-    forge.patch(model, backend=backend, min_elements=0)
-    assert model._forge_patched_counts["experts"] == 4, model._forge_skipped
-    patched = run(model, ids, labels)
-    assert_model_close(patched, eager, ref, torch.bfloat16, reduction_length(model, ids))
+    _patched_against_copy(model, backend, ids, labels, torch.float32, torch.bfloat16, 4)
     assert model._forge_guard_stats.fallback("experts") == 0
 
 
