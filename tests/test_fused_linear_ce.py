@@ -40,25 +40,37 @@ CASES = {
 
 
 def _natively(fn):
-    """``fn`` with the Pallas kernels natively launched (bridge.native): on a CPU its plans run
-    with each pallas_call evaluated by JAX (on a GPU the default launch is native already)."""
+    """``fn`` with the Pallas loss's row chunks natively launched (bridge.fused_linear_ce.NATIVE_ROWS
+    on): on a CPU its plans run with each pallas_call evaluated by JAX (on a GPU the default
+    launch is native already)."""
+    import bridge.fused_linear_ce as bf
     from bridge import native
 
     def call(*a, **k):
-        if native.launcher() == "jax" or native.available()[0]:
-            return fn(*a, **k)
-        native.set_launcher("jax")
+        old, bf.NATIVE_ROWS = bf.NATIVE_ROWS, True
         try:
-            out = fn(*a, **k)
-            st = native.status()
-            # the chunks' kernels ran as plans (none without rows; float64 stays on the jitted
-            # function, as the derivative check's loss does)
-            planned = a[0].shape[0] and a[0].dtype != torch.float64
-            assert (st["plans"] >= 1 or not planned) and not st["declined"], st
-            return out
+            if native.launcher() == "jax" or native.available()[0]:
+                return fn(*a, **k)
+            return _jax_launched(fn, *a, **k)
         finally:
-            native.set_launcher(None)
+            bf.NATIVE_ROWS = old
     return call
+
+
+def _jax_launched(fn, *a, **k):
+    from bridge import native
+
+    native.set_launcher("jax")
+    try:
+        out = fn(*a, **k)
+        st = native.status()
+        # the chunks' kernels ran as plans (none without rows; float64 stays on the jitted
+        # function, as the derivative check's loss does)
+        planned = a[0].shape[0] and a[0].dtype != torch.float64
+        assert (st["plans"] >= 1 or not planned) and not st["declined"], st
+        return out
+    finally:
+        native.set_launcher(None)
 
 
 def _kernel(variant, tile=TILE, rows=None):
@@ -483,8 +495,9 @@ def test_pallas_grad_w_accumulate(dtype, shape, blocks):
 
 @pytest.mark.gpu
 def test_pallas_row_chunks_cross_no_dlpack(monkeypatch, device):
-    # on a GPU the Pallas loss's default strategy with gradients (row chunks) runs its kernels
-    # natively on torch's stream: neither its jitted function nor any DLPack launch is reached
+    # on a GPU, with NATIVE_ROWS on, the Pallas loss's default strategy with gradients (row
+    # chunks) runs its kernels natively on torch's stream: neither its jitted function nor any
+    # DLPack launch is reached
     import bridge.core
     import bridge.fused_linear_ce as bf
 
@@ -493,6 +506,7 @@ def test_pallas_row_chunks_cross_no_dlpack(monkeypatch, device):
 
     monkeypatch.setattr(bridge.core, "_run_fwd_dlpack", refuse)
     monkeypatch.setattr(bf.FLCE, "fwd_fn", refuse)
+    monkeypatch.setattr(bf, "NATIVE_ROWS", True)
     tensors, labels = _inputs(4096, 4096, 128256, torch.bfloat16, device)
     x = {k: t.requires_grad_() for k, t in tensors.items()}
     loss = ops.get("fused_linear_ce", "pallas")(x["hidden"], x["weight"], labels)
