@@ -34,7 +34,16 @@ from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, add_step_arguments, build, is_moe  # noqa: E402
 
 COLUMNS = ["variant", "step_ms", "speedup", "vs_first_backend", "peak_MiB", "mem_frac", "reserved_MiB",
-           "reserved_frac", "graph_held_MiB", "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
+           "reserved_frac", "above_fixed_frac", "graph_held_MiB", "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
+
+
+def fixed_mib(model, mode) -> float:
+    """MiB no kernel can shrink: the parameters, and in training a gradient for each trainable one."""
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)
+    if mode == "train":
+        total += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return total / 2**20
 ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -323,6 +332,7 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             rows.append({"variant": "liger-kernel", "note": f"unavailable: {type(e).__name__}: {e}"[:300]})
     eager = rows[0]
+    fixed = fixed_mib(model, a.mode)  # (reserved memory above it: what activations and scratch take)
     for r in rows:
         if r.get("step_ms"):
             r["speedup"] = eager["step_ms"] / r["step_ms"]
@@ -330,10 +340,12 @@ def main(argv=None):
             r["mem_frac"] = r["peak_MiB"] / eager["peak_MiB"]
         if r.get("reserved_MiB") and eager.get("reserved_MiB"):
             r["reserved_frac"] = r["reserved_MiB"] / eager["reserved_MiB"]
+            if eager["reserved_MiB"] > fixed:
+                r["above_fixed_frac"] = (r["reserved_MiB"] - fixed) / (eager["reserved_MiB"] - fixed)
     title = f"{a.model} {a.mode} {a.batch}x{a.seq_len}{' lora ' + a.lora if a.lora else ''} ({a.backend})"
     print(title)
     bc.print_table(rows, COLUMNS)
-    extra = {"args": vars(a), "title": title}
+    extra = {"args": vars(a), "title": title, "fixed_MiB": fixed}
     # runs that add torch.compile or Liger-Kernel are their own case: a plain re-run keeps them
     lora_tag = "" if not a.lora else "-lora" + ("" if lora_arg == "16,32,0.05" else "-" + lora_arg.replace(",", "_"))
     case = (f"{a.model}{f'-{a.layers}l' if a.layers else ''}-{a.mode}-{a.batch}x{a.seq_len}{lora_tag}-{'-'.join(a.backends)}"

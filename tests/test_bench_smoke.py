@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = "SMOKE TEST, NOT A MEASUREMENT"
@@ -136,6 +137,17 @@ def test_lora_spec_puts_expert_weights_in_target_parameters():
     got = lora_config("8,16,0,q_proj,v_proj,mlp.experts.gate_up_proj,mlp.experts.down_proj")
     assert got["target_modules"] == ["q_proj", "v_proj"]
     assert got["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_fixed_memory_counts_parameters_and_trainable_gradients():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_patch_bisect import fixed_mib
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 128, bias=False))
+    model[1].requires_grad_(False)
+    params = (256 * 512 + 512 + 512 * 128) * 4 / 2**20
+    assert fixed_mib(model, "infer") == params
+    assert fixed_mib(model, "train") == params + (256 * 512 + 512) * 4 / 2**20
 
 
 def test_device_gaps_charge_idle_time_to_the_launching_ops():
