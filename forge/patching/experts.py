@@ -78,7 +78,7 @@ class _Rebuilt:
 def _rebuildable(mod, name, value) -> tuple | None:
     """(signature of ``value``, _Rebuilt) when ``value`` is weight ``name`` as peft's factored
     LoRA made it."""
-    if not parametrize.is_parametrized(mod, name):
+    if type(value) is not torch.Tensor or not parametrize.is_parametrized(mod, name):  # (plain tensors only)
         return None
     plist = mod.parametrizations[name]
     if not len(plist) or any(type(m).__name__ != _PEFT_FACTORS for m in plist):
@@ -98,6 +98,8 @@ def _keep_recipes(items):
     """saved_tensors_hooks that save each adapted weight of ``items`` (found by its signature:
     every saved tensor keeps both hooks, which therefore hold no weight) as its _Rebuilt."""
     def pack(t):
+        if type(t) is not torch.Tensor:  # (a subclass, e.g. a DTensor: not one of the weights)
+            return t
         sig = _signature(t)
         for s, rebuilt in items:
             if s == sig:
