@@ -108,6 +108,19 @@ def registry() -> dict[str, KernelDef]:
     return dict(_REGISTRY)
 
 
+def forget_traces() -> None:
+    """Drop every registered kernel's jitted passes, the native plans and JAX's trace caches, so
+    the next call traces again: for a module constant that a kernel reads when it is traced (a
+    tile sweep, a test of a variant). Recipes on disk are keyed by the code, not by such
+    constants: where they are used, point ``FORGE_CACHE_DIR`` elsewhere as well."""
+    for kd in _REGISTRY.values():
+        kd._fwd_jit.clear()
+        kd._bwd_jit.clear()
+        kd._py.clear()
+    native.clear()
+    runtime.jax_module().clear_caches()
+
+
 # ---------------------------------------------------------------------------------------------
 # the one autograd.Function
 #

@@ -28,6 +28,10 @@ BLOCK_M = 64
 BLOCK_N = 64
 DOWN_BLOCK_M = 32
 DOWN_BLOCK_K = 64
+# the largest rank whose low-rank term in a tile kernel runs as r outer products of a column and a
+# row (CUDA cores) rather than one dot: Triton's CFG option, untimed here so far (0: dot always).
+# Read when a kernel is traced: a change needs fresh traces (jax.clear_caches and the bridge's).
+FMA_UPTO = 0
 
 
 def _signed(word: int) -> int:
@@ -125,7 +129,18 @@ def _tile(i, j, m, n, bm=BLOCK_M, bn=BLOCK_N):
 def lowrank(p_ref, q_ref, rs, cs, rmask, cmask, pcol, qoff, r, dt, acc, *, q_rows):
     """(P[rs, pcol:pcol+r] Q_r)[:, cs] for a tile: P (M, *) holds the rank-r activations, Q the
     adapter (``q_rows``: stored (R, N), rows qoff..qoff+r; else (N, R), columns qoff..). Both
-    rounded to ``dt`` for the product; loads masked to the rank."""
+    rounded to ``dt`` for the product; loads masked to the rank. Up to rank FMA_UPTO: r outer
+    products instead of the dot (each product of two ``dt``-rounded values exact in ``acc``)."""
+    if r <= FMA_UPTO:
+        out = jnp.zeros((rmask.shape[0], cmask.shape[0]), acc)
+        for k in range(r):  # (static: the slot's rank)
+            p = C.load(p_ref.at[rs, pl.ds(pcol + k, 1)], mask=rmask[:, None], other=0.0)  # (BM, 1)
+            if q_rows:
+                q = C.load(q_ref.at[pl.ds(qoff + k, 1), cs], mask=cmask[None, :], other=0.0)  # (1, BN)
+            else:
+                q = C.load(q_ref.at[cs, pl.ds(qoff + k, 1)], mask=cmask[:, None], other=0.0).T  # (1, BN)
+            out = out + _round(p, dt, acc) * _round(q, dt, acc)
+        return out
     rb = rank_block(r)
     kmask = jnp.arange(rb) < r
     p = C.load(p_ref.at[rs, pl.ds(_at(pcol, _zero()), rb)], mask=rmask[:, None] & kmask[None, :], other=0.0)  # (BM, RB)

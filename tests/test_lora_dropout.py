@@ -70,6 +70,14 @@ def test_dropout_fp32_adapters_on_bf16(backend, shapes, device):
                             dict.fromkeys("qkv", 0.05), device))
 
 
+def _either_way_cases(backend, shapes, device):
+    for dt, adt in ((torch.bfloat16, F32), (F32, None)):
+        _check("lora_mlp", backend, mlp_spec.reference,
+               with_dropout(mlp_case(shapes[1], 16, "silu", dt, device, adapter_dtype=adt), MLP_DROP, device))
+        _check("lora_qkv", backend, qkv_spec.reference,
+               with_dropout(qkv_case(shapes[0], 8, True, dt, device, adapter_dtype=adt), QKV_DROP, device))
+
+
 @pytest.mark.parametrize("how", ["dot", "outer_products"])
 @pytest.mark.parametrize("shapes", ADAPTER_SHAPES)
 def test_triton_low_rank_term_either_way(how, shapes, monkeypatch, device):
@@ -81,11 +89,24 @@ def test_triton_low_rank_term_either_way(how, shapes, monkeypatch, device):
     upto = 0 if how == "dot" else 1024
     for key in ("add", "dx", "glu_fwd", "glu_bwd"):
         monkeypatch.setitem(lora_kernels.CFG, key, lora_kernels.CFG[key][:3] + (upto,))
-    for dt, adt in ((torch.bfloat16, F32), (F32, None)):
-        _check("lora_mlp", "triton", mlp_spec.reference,
-               with_dropout(mlp_case(shapes[1], 16, "silu", dt, device, adapter_dtype=adt), MLP_DROP, device))
-        _check("lora_qkv", "triton", qkv_spec.reference,
-               with_dropout(qkv_case(shapes[0], 8, True, dt, device, adapter_dtype=adt), QKV_DROP, device))
+    _either_way_cases("triton", shapes, device)
+
+
+@pytest.mark.parametrize("shapes", ADAPTER_SHAPES)
+def test_pallas_low_rank_term_as_outer_products(shapes, monkeypatch, device):
+    # the same option in the Pallas tile kernels (forge_pallas.lora_kernels.FMA_UPTO, read when
+    # a kernel is traced); the dot is what every other Pallas LoRA test runs
+    pytest.importorskip("jax")
+    from bridge import core
+    from forge_pallas import lora_kernels
+
+    monkeypatch.setattr(lora_kernels, "FMA_UPTO", 1024)
+    core.forget_traces()
+    try:
+        _either_way_cases("pallas", shapes, device)
+    finally:
+        monkeypatch.undo()
+        core.forget_traces()
 
 
 def test_dropout_agree(device):

@@ -816,3 +816,29 @@ def test_transposes_around_a_kernel_are_not_run(launcher, tmp_path, monkeypatch)
     odd = torch.randn(2 * 5 * 4 * 16 + 1, device=dev)[1:].view(2, 5, 4, 16).transpose(1, 2)
     got = launch.ready_view(odd, (0, 2, 1, 3))  # compact view, misaligned address
     assert got.data_ptr() % 32 == 0 and torch.equal(got, odd.permute(0, 2, 1, 3))
+
+
+@pytest.mark.parametrize("name", [n for n in _kernel_passes() if n.startswith("lora_")] if JI.missing() == [] else [])
+def test_lora_outer_product_variant_lowers(name, monkeypatch):
+    """The LoRA tile kernels' rank-r term as outer products (forge_pallas.lora_kernels.FMA_UPTO,
+    an option the dot is the default of) lowers to Triton IR, with the products spelled out:
+    a module differs from the dot variant's wherever a tile kernel has a rank-r term."""
+    from forge_pallas import lora_kernels
+
+    fn, avals, rows = _kernel_passes()[name]
+
+    def lowered():
+        return [JI.lower_pallas_call(e).ttir for e in native.pallas_eqns(fn, avals(rows[0]))]
+
+    import jax
+
+    dot = lowered()
+    monkeypatch.setattr(lora_kernels, "FMA_UPTO", 1024)
+    jax.clear_caches()  # (the option is read when a kernel is traced)
+    try:
+        outer = lowered()
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert len(outer) == len(dot) and all("tt.func public" in t for t in outer)
+    assert any(a != b for a, b in zip(dot, outer)), f"{name}: no kernel took the outer products"

@@ -124,11 +124,8 @@ def _sweep(backend, v):
         import os
         import tempfile
 
-        import jax
-
         import bridge
         from bridge import core, native
-        from bridge import experts as bridge_experts
         from forge_pallas import experts_kernels as tiles_mod
 
         pieces = bridge.experts_pieces
@@ -142,10 +139,7 @@ def _sweep(backend, v):
             if backend == "pallas":  # forget every trace of the last tiles: the recipes on disk (keyed
                 os.environ["FORGE_CACHE_DIR"] = tempfile.mkdtemp()  # by the code), the native plans,
                 native.set_launcher(None)  # the bridge's jitted passes and JAX's own trace caches
-                for kd in vars(bridge_experts).values():
-                    if isinstance(kd, core.KernelDef):
-                        kd._fwd_jit.clear(), kd._bwd_jit.clear(), kd._py.clear()
-                jax.clear_caches()
+                core.forget_traces()
             try:
                 calls = _piece_calls(pieces(), v)
                 ts = {n: _time(calls[n]) for n in PIECES[kind]}
