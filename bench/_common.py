@@ -54,6 +54,7 @@ SUMMARY = {
     "bench_generate": ("rows", ["batch", "prompt", "variant"], ["tok_s", "speedup", "ttft_ms"]),
     "tune_triton": ("rows", ["kernel", "shape", "tile", "progs_per_sm", "warps"], ["fwd_us", "bwd_us"]),
     "bench_lora_curve": ("summary", [], ["gap_forge_eager", "gap_dropout_noise", "gap_rounding", "within"]),
+    "bench_max_seq": ("rows", ["variant", "checkpointing"], ["max_len", "vs_eager", "reached_limit"]),
 }
 # the names results carried before they were named after their scripts (older JSON files)
 RENAMED = {"bridge_overhead": "bench_bridge_overhead", "flce": "bench_flce", "flce_grad_w": "diag_flce_grad_w",

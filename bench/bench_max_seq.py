@@ -4,9 +4,10 @@ the length up (doubling from --start) until a training step runs out of memory, 
 between the last length that fit and the first that did not, to --granularity tokens.
 
     python bench/bench_max_seq.py --model llama3-8b [--lora R,ALPHA,DROPOUT] [--backend triton]
-                                  [--checkpointing both|on|off] [--limit 262144] [--quick]
+                                  [--checkpointing both|on|off] [--limit 262144] [--upto-ratio 4]
+                                  [--quick]
 
-A length at --limit is reported as reached, not as the maximum. On a CPU (--quick) nothing
+A length at --limit (or at --upto-ratio times eager's) is reported as reached, not as the maximum. On a CPU (--quick) nothing
 runs out of memory: the search only shows that every step runs.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ import forge  # noqa: E402
 from bench_patch_bisect import _lora  # noqa: E402
 from presets import PRESETS, build  # noqa: E402
 
-COLUMNS = ["variant", "checkpointing", "max_len", "vs_eager", "reached_limit", "step_ms_at_max", "peak_MiB_at_max",
-           "probes"]
+COLUMNS = ["variant", "checkpointing", "max_len", "vs_eager", "reached_limit", "limit", "step_ms_at_max",
+           "peak_MiB_at_max", "probes"]
 
 
 def _free():
@@ -58,18 +59,22 @@ def _step(model, length, device):
     return ms, peak
 
 
-def longest(model, a, device):
-    """(longest length that trained, (ms, MiB) of its step, whether --limit was reached, probes)."""
+def longest(model, a, device, limit=None):
+    """(longest length that trained, (ms, MiB) of its step, whether ``limit`` (default --limit)
+    was reached, probes)."""
+    limit = limit or a.limit
     ok, ok_stats, bad, probes = 0, None, None, 0
     n = a.start
-    while n <= a.limit:  # doubling until a step fails
+    while n <= limit:  # doubling until a step fails
         probes += 1
         r = _step(model, n, device)
         if r is None:
             bad = n
             break
         ok, ok_stats = n, r
-        n *= 2
+        if n == limit:
+            break
+        n = min(2 * n, limit)
     if bad is None:
         return ok, ok_stats, True, probes
     lo, hi = ok, bad
@@ -97,6 +102,9 @@ def main(argv=None):
     ap.add_argument("--start", type=int, default=4096)
     ap.add_argument("--limit", type=int, default=262144)
     ap.add_argument("--granularity", type=int, default=1024)
+    ap.add_argument("--upto-ratio", type=float, default=None, metavar="R",
+                    help="search forge only up to R x eager's length (a bar's question, answered with fewer "
+                         "of the longest, slowest probes); reached_limit then means at least R x")
     ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU: a smoke test")
     bc.add_out_argument(ap)
     a = ap.parse_args(argv)
@@ -122,7 +130,10 @@ def main(argv=None):
         for variant in ("eager", f"forge {a.backend}"):
             if variant != "eager":
                 forge.patch(model, backend=a.backend)
-            n, stats, reached, probes = longest(model, a, device)
+            cap = None
+            if variant != "eager" and a.upto_ratio and eager_len.get(ckpt):
+                cap = min(a.limit, max(a.start, int(a.upto_ratio * eager_len[ckpt]) // a.granularity * a.granularity))
+            n, stats, reached, probes = longest(model, a, device, cap)
             if variant != "eager":
                 forge.unpatch(model)
             _free()
@@ -130,7 +141,8 @@ def main(argv=None):
                 eager_len[ckpt] = n
             rows.append({"variant": variant, "checkpointing": "on" if ckpt else "off", "max_len": n,
                          "vs_eager": n / eager_len[ckpt] if eager_len.get(ckpt) else None,
-                         "reached_limit": reached, "step_ms_at_max": stats[0] if stats else None,
+                         "reached_limit": reached, "limit": cap or a.limit,
+                         "step_ms_at_max": stats[0] if stats else None,
                          "peak_MiB_at_max": stats[1] if stats else None, "probes": probes})
             print(f"{variant:16s} checkpointing {rows[-1]['checkpointing']:3s}: {n} tokens"
                   f"{' (the limit)' if reached else ''}", flush=True)

@@ -150,6 +150,37 @@ def test_fixed_memory_counts_parameters_and_trainable_gradients():
     assert fixed_mib(model, "train") == params + (256 * 512 + 512) * 4 / 2**20
 
 
+def test_max_seq_search_doubles_bisects_and_stops_at_its_cap(monkeypatch):
+    # bench_max_seq's search against a fake step that runs out of memory above ``fits`` tokens
+    sys.path.insert(0, str(ROOT / "bench"))
+    import types
+
+    import bench_max_seq as bms
+
+    fits, tried = 21_000, []
+
+    def step(_model, n, _device):
+        tried.append(n)
+        return None if n > fits else (1.0, 2.0)
+
+    monkeypatch.setattr(bms, "_step", step)
+    a = types.SimpleNamespace(start=4096, limit=262144, granularity=1024)
+    n, stats, reached, probes = bms.longest(None, a, "cpu")
+    assert not reached and fits - 1024 < n <= fits and stats == (1.0, 2.0) and probes == len(tried)
+    assert tried[:4] == [4096, 8192, 16384, 32768]  # doubling, then bisecting between 16384 and 32768
+    tried.clear()
+    n, _, reached, probes = bms.longest(None, a, "cpu", limit=12288)  # a cap below the failure
+    assert reached and n == 12288 and tried == [4096, 8192, 12288]
+
+
+def test_bench_max_seq_quick(tmp_path):
+    _run("bench_max_seq.py", ["--quick", "--upto-ratio", "2"], tmp_path)
+    rows = _rows(tmp_path, "bench_max_seq")
+    assert {(r["variant"], r["checkpointing"]) for r in rows} == {
+        ("eager", "off"), ("forge triton", "off"), ("eager", "on"), ("forge triton", "on")}
+    assert all(int(r["max_len"]) == 64 for r in rows)  # the --quick limit: nothing runs out of memory on a CPU
+
+
 def test_device_gaps_charge_idle_time_to_the_launching_ops():
     # a synthetic trace: k2 launched late inside op > mm (its 60 us gap is the host's), k3
     # launched long before the device reached it (a 100 us gap that is not); a 10 us gap and a
