@@ -173,10 +173,11 @@ def test_peft_lora_on_expert_weights_gpu(backend):
     assert model._forge_guard_stats.fallback("experts") == 0
 
 
-def test_peft_expert_lora_keeps_no_adapted_weight_for_backward(monkeypatch):
-    """The node saves peft's adapted expert weights as their recipe (frozen weight, rank-r factors)
-    and rebuilds them in the backward: after the forward no adapted weight is alive (eager peft
-    keeps them for its backward), and the gradients equal those with the weights kept."""
+def test_peft_expert_lora_never_forms_the_adapted_weight(monkeypatch):
+    """forge computes peft's expert LoRA as rank-r products beside the frozen weights: peft's
+    parametrization is never evaluated for the forward or the backward (only by peft itself when
+    it registers it), and the gradients are those of the path that reads the adapted weights
+    (peft's parametrization evaluated, forge's kernel on its result) within rounding."""
     from peft.tuners.lora import layer as peft_layer
 
     made = []
@@ -191,28 +192,26 @@ def test_peft_expert_lora_keeps_no_adapted_weight_for_backward(monkeypatch):
     model = _peft_expert_lora(_model("qwen3_moe"))
     ids, labels = batch(model, 2, 4, "cpu", seed=6)
 
-    def alive_after_forward():
+    def step():
         made.clear()
+        model.zero_grad(set_to_none=True)
         loss = model(ids, labels=labels).loss
         gc.collect()
-        n = sum(r() is not None for r in made)
+        kept = sum(r() is not None for r in made)
         loss.backward()
-        return n, len(made)
+        return kept, len(made), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    kept, eager_built = alive_after_forward()
+    kept, eager_built, _ = step()
     assert kept >= 1, "the probe does not see eager peft keep its adapted weights"
     forge.patch(model, backend="triton", min_elements=0)
-    model.zero_grad(set_to_none=True)
-    kept, built = alive_after_forward()
-    assert kept == 0 and built == eager_built + 2, (kept, built)  # each of the 2 rebuilt once in the backward
-    rebuilt = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    monkeypatch.setattr(experts_patch, "_PEFT_FACTORS", "(none)")  # keep the weights instead
-    kept, built = alive_after_forward()
-    assert kept == 2 and built == eager_built
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            assert torch.equal(p.grad, rebuilt[n]), n
+    kept, built, low_rank = step()
+    assert kept == 0 and built == eager_built - 2, (kept, built, eager_built)  # (peft's 2 registration checks)
+    monkeypatch.setattr(experts_patch, "_PEFT_FACTORS", "(none)")  # read the adapted weights instead
+    kept, built, merged = step()
+    assert built == eager_built and model._forge_guard_stats.fallback("experts") == 0
+    assert low_rank.keys() == merged.keys() and low_rank
+    for n in merged:
+        torch.testing.assert_close(low_rank[n], merged[n], rtol=1e-4, atol=1e-6)
 
 
 def test_swapped_activation_is_declined_then_falls_back():
@@ -233,36 +232,34 @@ def test_swapped_activation_is_declined_then_falls_back():
     assert model._forge_guard_stats.fallback("experts") == 1
 
 
-def test_peft_expert_lora_under_outer_saved_tensor_hooks(monkeypatch):
-    """Hooks already active (here counting ones; non-reentrant gradient checkpointing and
-    save_on_cpu are such) see every tensor the expert block saves: forge then keeps the adapted
-    weights as usual instead of pushing its own hooks over them. And gradient checkpointing
-    (use_reentrant=False) gives the gradients of the plain patched step."""
+def test_peft_expert_lora_with_gradient_checkpointing():
+    """Non-reentrant gradient checkpointing (saved-tensor hooks around each layer) recomputes the
+    low-rank expert block: the same gradients as the plain patched step."""
     model = _peft_expert_lora(_model("qwen3_moe"))
     ids, labels = batch(model, 2, 4, "cpu", seed=7)
     forge.patch(model, backend="triton", min_elements=0)
-
-    def step(hooked):
-        model.zero_grad(set_to_none=True)
-        packed = []
-        if hooked:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
-                loss = model(ids, labels=labels).loss
-        else:
-            loss = model(ids, labels=labels).loss
-        loss.backward()
-        return len(packed), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    plain = step(False)[1]
-    seen, grads = step(True)
-    monkeypatch.setattr(experts_patch, "_PEFT_FACTORS", "(none)")  # forge's recipes off altogether
-    seen_without, _ = step(True)
-    monkeypatch.undo()
-    assert seen == seen_without > 0
-    for n in plain:
-        assert torch.equal(grads[n], plain[n]), n
+    plain = run(model, ids, labels)[2]
     model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    checkpointed = step(False)[1]
+    checkpointed = run(model, ids, labels)[2]
+    assert plain.keys() == checkpointed.keys() and plain
     for n in plain:
         torch.testing.assert_close(checkpointed[n], plain[n], rtol=1e-6, atol=1e-7)
+
+
+def test_expert_adapters_are_checked():
+    """The experts op's ``adapters`` (low-rank updates of its weights) must fit the weights."""
+    fn = ops.get("experts", "triton")
+    e, h, i, r = 4, 8, 6, 2
+    x, gu, dn = torch.randn(3, h), torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    idx, w = torch.randint(0, e, (3, 2)), torch.rand(3, 2)
+    good = (torch.randn(e, r, h), torch.randn(e, 2 * i, r), 2.0)
+    got = fn(x, idx, w, gu, dn, adapters=(good, None))
+    want = fn(x, idx, w, torch.baddbmm(gu, good[1], good[0], alpha=2.0), dn)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not make a low-rank update"):
+        fn(x, idx, w, gu, dn, adapters=((torch.randn(e, r, h + 1), good[1], 2.0), None))
+    with pytest.raises(TypeError, match="the expert block computes in"):
+        fn(x, idx, w, gu, dn, adapters=(None, (torch.randn(e, r, i).double(), torch.randn(e, h, r), 1.0)))
+    with pytest.raises(TypeError, match="adapters must be"):
+        fn(x, idx, w, gu, dn, adapters=good)

@@ -95,9 +95,17 @@ def experts(backend: str, pieces: dict, check_devices):
     adaptor = _experts.NodeAdaptor(ops)
     adaptor.install(library.traced_entry(backend, adaptor))
 
-    def experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, act="silu"):
+    def experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, act="silu", adapters=None):
+        """``adapters``: low-rank updates of the weights, (gate_up, down), each None or (a (E, r, in),
+        b (E, out, r), scale), computed as rank-r products beside the weights' (never merged),
+        except under autocast and torch.compile, where they are merged into the weights first."""
         dev = hidden.device.type if isinstance(hidden, torch.Tensor) else None
         cast = dev and _autocast.target(dev, hidden, gate_up_proj, down_proj)
+        if adapters is not None:
+            _experts.check_adapters(adapters, gate_up_proj, down_proj, gate_up_proj.dtype)
+            if cast or _through_ops():
+                gate_up_proj, down_proj = _experts.merged(gate_up_proj, down_proj, adapters)
+                adapters = None
         if cast:  # eager's expert products run in the autocast dtype: so do the node's; the
             # router's scores stay as given and the output comes back in hidden's dtype, as
             # eager's weighted sum does
@@ -109,6 +117,11 @@ def experts(backend: str, pieces: dict, check_devices):
         if check_devices is not None:
             check_devices(hidden=hidden, gate_up_proj=gate_up_proj, down_proj=down_proj)
         hidden, top_k_weights = hidden.contiguous(), top_k_weights.contiguous()
+        if adapters is not None:
+            if hidden.dtype != gate_up_proj.dtype:
+                raise TypeError(f"hidden is {hidden.dtype}, the expert weights and adapters {gate_up_proj.dtype}")
+            return _experts.apply_lora(ops, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, adapters,
+                                       act=act)
         if _through_ops():
             return adaptor.traced(_experts.DEF, (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj),
                                   {"act": act})[0]

@@ -87,6 +87,172 @@ class ExpertsFunction(torch.autograd.Function):
         return dx, None, d_weights, d_gate_up, d_down, None, None
 
 
+# ------------------------------------------------- low-rank adapters on the expert weights
+# LoRA on the 3-D weights (peft's target_parameters): W_e + s B_e A_e per expert, never formed.
+# ``adapters`` = (gate_up, down), each None or (a (E, r, in), b (E, out, r), scale): the base
+# products and the rank-r ones run as separate grouped pieces (the GLU then in torch between
+# them, where the fused pieces would apply it to the base product alone), the adapters' weight
+# gradients are rank-r grouped products too; no (E, out, in) tensor is made for them.
+def _acc(t):
+    """t in its accumulation dtype (fp32; fp64 stays)."""
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def _act_and_grad(g, act):
+    """act(g) and act'(g) in g's dtype (fp32 here); silu, the spec's one activation."""
+    assert act == "silu", act  # (forge.spec.experts.check refused any other)
+    sg = torch.sigmoid(g)
+    return g * sg, sg * (1 + g * (1 - sg))
+
+
+def _glu(gu, act):
+    """h = act(g) * u in fp32 from gu = [g, u] (S, 2I), rounded to gu's dtype (the pieces' epilogue)."""
+    g, u = _acc(gu).chunk(2, dim=1)
+    return (_act_and_grad(g, act)[0] * u).to(gu.dtype)
+
+
+def _glu_bwd(dh, gu, act):
+    """dgu = [dh u act'(g), dh act(g)] (fp32 dh), in gu's dtype."""
+    g, u = _acc(gu).chunk(2, dim=1)
+    a, da = _act_and_grad(g, act)
+    return torch.cat((dh * u * da, dh * a), dim=1).to(gu.dtype)
+
+
+def _plus_lowrank(ops, base, a_in, ad, offsets):
+    """base + s (a_in A^T) B^T per row's expert, summed in fp32; (result, a_in A^T)."""
+    a, b, scale = ad
+    low = ops.grouped_mm(a_in, a, offsets)  # (S, r)
+    return (_acc(base) + scale * _acc(ops.grouped_mm(low, b, offsets))).to(base.dtype), low
+
+
+def _forward_lora(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, adapters):
+    ad_gu, ad_dn = adapters
+    row_token, offsets, slot_rows = spec.route(top_k_index, gate_up_proj.shape[0])
+    xa = ha = None
+    if ad_gu is None:
+        h, gu = ops.glu_fwd(x, row_token, offsets, gate_up_proj, act)
+    else:
+        xg = x.index_select(0, row_token)  # (S, H): the rows the rank-r product reads
+        gu, xa = _plus_lowrank(ops, ops.grouped_mm(xg, gate_up_proj, offsets), xg, ad_gu, offsets)
+        h = _glu(gu, act)
+    y = ops.grouped_mm(h, down_proj, offsets)
+    if ad_dn is not None:
+        y, ha = _plus_lowrank(ops, y, h, ad_dn, offsets)
+    return ops.unpermute(y, slot_rows, top_k_weights), (row_token, offsets, slot_rows, gu, y, xa, ha)
+
+
+def _backward_lora(ops, act, dout, saved, adapters, need):
+    """Gradients of (x, scores, gate_up_proj, down_proj, a_gu, b_gu, a_dn, b_dn); ``need`` their
+    flags (an adapter's pair only where it is given)."""
+    x, weights, gate_up_proj, down_proj, row_token, offsets, slot_rows, gu, y, xa, ha = saved
+    ad_gu, ad_dn = adapters
+    out = [None] * 8
+    dy, d_weights = ops.unpermute_bwd(dout.contiguous(), y, slot_rows, weights)
+    out[1] = d_weights if need[1] else None
+    if ad_dn is None:
+        dgu, h = ops.glu_bwd(dy, gu, offsets, down_proj, act)
+    else:
+        a, b, scale = ad_dn
+        h = _glu(gu, act)
+        dyb = ops.grouped_mm_t(dy, b, offsets)  # (S, r)
+        dh = _acc(ops.grouped_mm_t(dy, down_proj, offsets)) + scale * _acc(ops.grouped_mm_t(dyb, a, offsets))
+        dgu = _glu_bwd(dh, gu, act)
+        if need[6]:
+            out[6] = (scale * _acc(ops.grouped_wgrad(dyb, h, offsets, None))).to(a.dtype)
+        if need[7]:
+            out[7] = (scale * _acc(ops.grouped_wgrad(dy, ha, offsets, None))).to(b.dtype)
+    if need[3]:
+        out[3] = ops.grouped_wgrad(dy, h, offsets, None)
+    del h, dy
+    if need[2]:
+        out[2] = ops.grouped_wgrad(dgu, x, offsets, row_token)
+    dgb = None
+    if ad_gu is not None:
+        a, b, scale = ad_gu
+        dgb = ops.grouped_mm_t(dgu, b, offsets)  # (S, r)
+        if need[4]:
+            out[4] = (scale * _acc(ops.grouped_wgrad(dgb, x, offsets, row_token))).to(a.dtype)
+        if need[5]:
+            out[5] = (scale * _acc(ops.grouped_wgrad(dgu, xa, offsets, None))).to(b.dtype)
+    if need[0]:
+        dxs = ops.grouped_mm_t(dgu, gate_up_proj, offsets)
+        if dgb is not None:
+            dxs = (_acc(dxs) + ad_gu[2] * _acc(ops.grouped_mm_t(dgb, ad_gu[0], offsets))).to(dxs.dtype)
+        out[0] = ops.unpermute(dxs, slot_rows, None)
+    return out
+
+
+def check_adapters(adapters, gate_up_proj, down_proj, dtype) -> None:
+    """Each adapter (a (E, r, in), b (E, out, r), scale) fits its weight (E, out, in), in ``dtype``."""
+    if not (isinstance(adapters, tuple) and len(adapters) == 2):
+        raise TypeError("adapters must be (gate_up, down), each None or (a, b, scale)")
+    for name, w, ad in (("gate_up_proj", gate_up_proj, adapters[0]), ("down_proj", down_proj, adapters[1])):
+        if ad is None:
+            continue
+        a, b, _scale = ad
+        e, out, inp = w.shape
+        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != e or b.shape[0] != e or a.shape[2] != inp \
+                or b.shape[1] != out or b.shape[2] != a.shape[1]:
+            raise ValueError(f"{name}'s adapter: a {tuple(a.shape)} and b {tuple(b.shape)} do not make a "
+                             f"low-rank update of its weight {tuple(w.shape)} (a (E, r, in), b (E, out, r))")
+        if a.dtype != dtype or b.dtype != dtype:
+            raise TypeError(f"{name}'s adapter is {a.dtype}/{b.dtype}, the expert block computes in {dtype}")
+
+
+def merged(gate_up_proj, down_proj, adapters):
+    """The weights with their adapters added (W + scale b a), for the paths that take plain weights."""
+    return tuple(w if ad is None else torch.baddbmm(w, ad[1], ad[0], alpha=ad[2])
+                 for w, ad in zip((gate_up_proj, down_proj), adapters))
+
+
+class ExpertsLoraFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, a_gu, b_gu, a_dn, b_dn, ops, act,
+                scales):
+        adapters = _adapters(a_gu, b_gu, a_dn, b_dn, scales)
+        with torch.autocast(ops.device_type, enabled=False):
+            out, res = _forward_lora(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, adapters)
+        ctx.save_for_backward(x, top_k_weights, gate_up_proj, down_proj, *adapters_tensors(adapters), *res)
+        ctx.ops, ctx.act, ctx.scales = ops, act, scales
+        return out
+
+    @staticmethod
+    @no_double_backward("experts")
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        x, weights, gate_up_proj, down_proj, a_gu, b_gu, a_dn, b_dn = saved[:8]
+        adapters = _adapters(a_gu, b_gu, a_dn, b_dn, ctx.scales)
+        n = ctx.needs_input_grad
+        need = (n[0], n[2], n[3], n[4], n[5], n[6], n[7], n[8])
+        with torch.autocast(ctx.ops.device_type, enabled=False):
+            g = _backward_lora(ctx.ops, ctx.act, dout, (x, weights, gate_up_proj, down_proj, *saved[8:]),
+                               adapters, need)
+        return g[0], None, g[1], g[2], g[3], g[4], g[5], g[6], g[7], None, None, None
+
+
+def _adapters(a_gu, b_gu, a_dn, b_dn, scales):
+    return (None if a_gu is None else (a_gu, b_gu, scales[0]),
+            None if a_dn is None else (a_dn, b_dn, scales[1]))
+
+
+def adapters_tensors(adapters):
+    """(a_gu, b_gu, a_dn, b_dn), None where a weight has no adapter."""
+    return tuple(t for ad in adapters for t in ((None, None) if ad is None else ad[:2]))
+
+
+def apply_lora(ops, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, adapters, *, act="silu"):
+    """The expert block with low-rank adapters on its weights (see above), (T, H)."""
+    a_gu, b_gu, a_dn, b_dn = (None if t is None else t.contiguous() for t in adapters_tensors(adapters))
+    scales = tuple(1.0 if ad is None else float(ad[2]) for ad in adapters)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
+            hidden, top_k_weights, gate_up_proj, down_proj, a_gu, b_gu, a_dn, b_dn)):
+        return ExpertsLoraFunction.apply(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                         a_gu, b_gu, a_dn, b_dn, ops, act, scales)
+    with torch.autocast(ops.device_type, enabled=False):
+        return _forward_lora(ops, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act,
+                             _adapters(a_gu, b_gu, a_dn, b_dn, scales))[0]
+
+
 # ------------------------------------------------------------------------- the op pair
 class _Def:
     name = "experts"

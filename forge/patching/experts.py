@@ -10,13 +10,13 @@ weights, no gate. A call the kernel does not take (the act_fn swapped after patc
 2-D, hidden in another dtype than the weights, e.g. under autocast, or parametrized weights that
 are not 3-D) runs the module's own forward, counted as a fallback.
 
-The weights are read as the module's own forward reads them, through any parametrization: peft's
-LoRA on the expert weights (``target_parameters``) registers one around each call (the weight
-plus ``scaling * lhs @ rhs`` per expert, from factors of the adapter's A and B), so the kernel
-runs on the adapted weights and autograd takes their gradient on to A and B. Where every
-parametrization of a weight is peft's factored one, the node does not keep the adapted weight
-(one more expert stack per weight and layer) for its backward but what makes it (the frozen
-weight and the rank-r factors), and the backward rebuilds it.
+peft's LoRA on the expert weights (``target_parameters``) registers a parametrization around each
+call: the weight plus ``scaling * lhs @ rhs`` per expert, lhs and rhs views of the adapter's B
+and A. Where that is all a weight's parametrization does, the kernel takes the frozen weight and
+the factors as an adapter (forge.ops.experts: rank-r grouped products beside the weight's, so
+the adapted weight, one more expert stack per weight and layer, is never made, nor its gradient);
+any other parametrization is read as the module's own forward reads it, and the kernel runs on
+the weight it gives.
 """
 from __future__ import annotations
 
@@ -53,90 +53,47 @@ def _decline(name, mod) -> str | None:
 
 
 # peft's parametrization of a targeted weight with one adapter and several experts: W + scaling *
-# lhs @ rhs (one baddbmm); a deterministic function of the frozen weight and two small factors
+# lhs @ rhs (one baddbmm), lhs (E, out, r) and rhs (E, r, in) views of the adapter's B and A
 _PEFT_FACTORS = "_LoraFactorsProxy"
 
 
-class _Rebuilt:
-    """What the node keeps in place of an adapted weight: the parametrizations that made it from
-    the original, run again (without grad: the adapter's gradient flows through the forward's
-    graph of the weight, not through the saved copy) when the backward asks for it."""
-
-    __slots__ = ("original", "chain")
-
-    def __init__(self, original, chain):
-        self.original, self.chain = original, chain
-
-    def get(self):
-        with torch.no_grad():
-            w = self.original
-            for m in self.chain:
-                w = m(w)
-            return w
-
-
-def _rebuildable(mod, name, value) -> tuple | None:
-    """(signature of ``value``, _Rebuilt) when ``value`` is weight ``name`` as peft's factored
-    LoRA made it."""
-    if type(value) is not torch.Tensor or not parametrize.is_parametrized(mod, name):  # (plain tensors only)
-        return None
-    plist = mod.parametrizations[name]
-    if not len(plist) or any(type(m).__name__ != _PEFT_FACTORS for m in plist):
-        return None
-    return _signature(value), _Rebuilt(plist.original, tuple(plist))
-
-
-def _signature(t) -> tuple:
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
-
-
-def _unpack(p):
-    return p.get() if isinstance(p, _Rebuilt) else p
-
-
-def _keep_recipes(items):
-    """saved_tensors_hooks that save each adapted weight of ``items`` (found by its signature:
-    every saved tensor keeps both hooks, which therefore hold no weight) as its _Rebuilt."""
-    def pack(t):
-        if type(t) is not torch.Tensor:  # (a subclass, e.g. a DTensor: not one of the weights)
-            return t
-        sig = _signature(t)
-        for s, rebuilt in items:
-            if s == sig:
-                return rebuilt
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
-
-
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def _outer_hooks() -> bool:
-    """Whether saved-tensor hooks are active already (non-reentrant gradient checkpointing,
-    ``save_on_cpu``, ...): forge's would hide the call's saved tensors from them, so the node
-    then saves as usual (under checkpointing the adapted weight is recomputed anyway). Where this
-    torch cannot tell, assume they are."""
-    return _top_hooks is None or _top_hooks(False) is not None
+def _low_rank(mod):
+    """((gate_up, down) plain weights, (gate_up, down) adapters (a, b, scale) or None) where every
+    parametrized expert weight of ``mod`` is peft's factored LoRA alone; else None (then the
+    weights are read through their parametrizations, as the module's own forward reads them)."""
+    weights, adapters = [], []
+    for name in WEIGHTS:
+        if not parametrize.is_parametrized(mod, name):
+            weights.append(getattr(mod, name))
+            adapters.append(None)
+            continue
+        plist = mod.parametrizations[name]
+        proxy = plist[0] if len(plist) == 1 else None
+        if type(proxy).__name__ != _PEFT_FACTORS:
+            return None
+        b, a, scale = (getattr(proxy, k, None) for k in ("lhs", "rhs", "scaling"))
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(scale, (int, float))):
+            return None
+        weights.append(plist.original)
+        adapters.append((a, b, float(scale)))
+    return tuple(weights), tuple(adapters)
 
 
 def forward_of(kernel, act_type, orig, ks, compiling):
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        gu, dn = self.gate_up_proj, self.down_proj  # through peft's parametrizations, if any
+        low = _low_rank(self) if parametrize.is_parametrized(self) else None
+        if low is not None:  # peft's LoRA on the expert weights: rank-r products, the adapted weights never made
+            (gu, dn), adapters = low
+        else:  # the weights as the module's own forward reads them (through any parametrization)
+            (gu, dn), adapters = (self.gate_up_proj, self.down_proj), None
         if (type(self._modules.get("act_fn")) is not act_type or hidden_states.dim() != 2
                 or hidden_states.dtype != gu.dtype or gu.dim() != 3 or dn.dim() != 3):
             if not compiling():
                 ks.fallback += 1
             return orig(self, hidden_states, top_k_index, top_k_weights)
-        args = (hidden_states, top_k_index, top_k_weights, gu, dn)
-        if compiling():  # (the compiled graph decides what it saves)
-            return kernel(*args, act="silu")
-        ks.fused += 1
-        items = [r for r in (_rebuildable(self, n, v) for n, v in zip(WEIGHTS, (gu, dn))) if r]
-        if items and torch.is_grad_enabled() and not _outer_hooks():
-            with _keep_recipes(items):
-                return kernel(*args, act="silu")
-        return kernel(*args, act="silu")
+        if not compiling():
+            ks.fused += 1
+        return kernel(hidden_states, top_k_index, top_k_weights, gu, dn, act="silu", adapters=adapters)
 
     return forward
 
