@@ -99,8 +99,8 @@ def _acc(t):
 
 
 def _act_and_grad(g, act):
-    """act(g) and act'(g) in g's dtype (fp32 here); silu, the spec's one activation."""
-    assert act == "silu", act  # (forge.spec.experts.check refused any other)
+    """act(g) and act'(g) in g's dtype (fp32 here): silu, the one activation forge.spec.experts
+    takes (its check refuses any other before a node is built)."""
     sg = torch.sigmoid(g)
     return g * sg, sg * (1 + g * (1 - sg))
 
