@@ -98,24 +98,15 @@ def _acc(t):
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
-def _act_and_grad(g, act):
-    """act(g) and act'(g) in g's dtype (fp32 here): silu, the one activation forge.spec.experts
-    takes (its check refuses any other before a node is built)."""
-    sg = torch.sigmoid(g)
-    return g * sg, sg * (1 + g * (1 - sg))
-
-
 def _glu(gu, act):
-    """h = act(g) * u in fp32 from gu = [g, u] (S, 2I), rounded to gu's dtype (the pieces' epilogue)."""
-    g, u = _acc(gu).chunk(2, dim=1)
-    return (_act_and_grad(g, act)[0] * u).to(gu.dtype)
+    """h = act(g) * u computed in fp32 from gu = [g, u] (S, 2I), rounded to gu's dtype (as the
+    pieces' epilogue rounds it)."""
+    return spec.glu(_acc(gu), act).to(gu.dtype)
 
 
 def _glu_bwd(dh, gu, act):
-    """dgu = [dh u act'(g), dh act(g)] (fp32 dh), in gu's dtype."""
-    g, u = _acc(gu).chunk(2, dim=1)
-    a, da = _act_and_grad(g, act)
-    return torch.cat((dh * u * da, dh * a), dim=1).to(gu.dtype)
+    """dgu from dh (fp32) and gu, computed in fp32, in gu's dtype."""
+    return spec.glu_bwd(dh, _acc(gu), act)[0].to(gu.dtype)
 
 
 def _plus_lowrank(ops, base, a_in, ad, offsets):

@@ -162,9 +162,21 @@ def _groups(offsets):
     return [(e, ends[e - 1] if e else 0, end) for e, end in enumerate(ends)]
 
 
-def _glu(gu, act):
+def glu(gu, act):
+    """h = act(g) * u from gu = [g, u] (rows, 2I), in gu's dtype."""
     g, u = gu.chunk(2, dim=-1)
     return _act(g, act) * u
+
+
+def glu_bwd(dh, gu, act):
+    """(dgu = [dh u act'(g), dh act(g)], h = act(g) u) from dh (rows, I) and gu, in their dtype
+    (the GLU's backward, also the node's where it runs the GLU apart from the products)."""
+    g, u = gu.chunk(2, dim=-1)
+    with torch.enable_grad():
+        g2 = g.detach().requires_grad_()
+        a = _act(g2, act)
+        (da,) = torch.autograd.grad(a, g2, dh * u)
+    return torch.cat([da, dh * a.detach()], -1), a.detach() * u
 
 
 def _ref_glu_fwd(x, row_token, offsets, gate_up_proj, act):
@@ -172,7 +184,7 @@ def _ref_glu_fwd(x, row_token, offsets, gate_up_proj, act):
     gu = x.new_zeros(s, two_i)
     for e, a, b in _groups(offsets):
         gu[a:b] = x[row_token[a:b].long()] @ gate_up_proj[e].T
-    return _glu(gu, act), gu
+    return glu(gu, act), gu
 
 
 def _ref_grouped_mm(a, w, offsets, transpose=True):
@@ -200,13 +212,7 @@ def _ref_unpermute_bwd(dout, y, slot_rows, weights):
 
 
 def _ref_glu_bwd(dy, gu, offsets, down_proj, act):
-    dh = _ref_grouped_mm(dy, down_proj, offsets, transpose=False)
-    g, u = gu.chunk(2, dim=-1)
-    with torch.enable_grad():
-        g2 = g.detach().requires_grad_()
-        a = _act(g2, act)
-        (da,) = torch.autograd.grad(a, g2, dh * u)
-    return torch.cat([da, dh * a.detach()], -1), a.detach() * u
+    return glu_bwd(_ref_grouped_mm(dy, down_proj, offsets, transpose=False), gu, act)
 
 
 def _ref_grouped_wgrad(a, b, offsets, b_rows):
