@@ -215,6 +215,7 @@ def run_case(model, variant, ids, kw, dev, reps):
     if variant == "forge graphs":
         forge.patch(model, mode="infer", backend="triton", graphs=True,
                     kernels=None if dev.type == "cuda" else ["fused_linear_ce"])
+        model._forge_graphs.decode.device_loop = False  # this tool splits transformers' own loop
     else:
         gen_kw["cache_implementation"] = "static"
     try:

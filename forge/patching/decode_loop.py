@@ -37,7 +37,7 @@ import torch
 from . import decode_runtime as rt
 from .guard import CAPTURE
 
-DEVICE_LOOP = False  # Decoder.device_loop's default: off until the captured loop has run on a GPU
+DEVICE_LOOP = True  # Decoder.device_loop's default (on since its GPU tests passed and it led the host loop)
 CHUNK = 8  # decoding steps per captured graph (one device read per chunk)
 WARMUP = 2  # uncaptured steps before the first capture on a cache (Triton compiles, cuBLAS picks)
 log = logging.getLogger("forge")
