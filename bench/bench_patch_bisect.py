@@ -245,6 +245,8 @@ def main(argv=None):
     p.add_argument("--experts-impl", default="grouped_mm", metavar="IMPL[,IMPL...]",
                    help="MoE presets: transformers' experts implementation(s) timed unpatched (grouped_mm, eager); "
                         "the first is the baseline every ratio is taken to")
+    p.add_argument("--pallas-native-rows", action="store_true",
+                   help="the Pallas loss's row chunks natively launched (bridge.fused_linear_ce.NATIVE_ROWS)")
     p.add_argument("--no-single", action="store_true", help="skip the one-kernel-at-a-time variants")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rotations over the patchable variants")
@@ -253,6 +255,10 @@ def main(argv=None):
     bc.add_out_argument(p)
     a = p.parse_args(argv)
     a.backends = a.backend.split(",")
+    if a.pallas_native_rows:
+        import bridge.fused_linear_ce as bridge_flce
+
+        bridge_flce.NATIVE_ROWS = True
     if any(b not in ("triton", "pallas") for b in a.backends):
         p.error(f"--backend: triton, pallas or both, not {a.backend!r}")
     if a.quick:

@@ -25,6 +25,9 @@ from forge_triton import lora_kernels as K  # noqa: E402
 TILES = [(bm, bn, w, f) for bm, bn, w, f in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (0, 64))
          if bm * bn <= 16384]
 TILE_KERNELS = ("add", "dx", "glu_fwd", "glu_bwd")
+# --small: a grid around the settings that won at 8B (32-64 rows, 64-128 columns), for one
+# question at a time (each setting of each case compiles: about a second apiece)
+SMALL = [(bm, bn, w, f) for bm, bn, w, f in itertools.product((32, 64), (64, 128), (4, 8), (0, 64))]
 ROWS = [(bm, bk, w, per_sm) for bm, bk, w, per_sm in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 4))
         if bm * bk <= 16384]
 
@@ -78,6 +81,7 @@ def main():
     ap.add_argument("--kernels", default=None, help="comma-separated CFG keys to time (default: all)")
     ap.add_argument("--fma", choices=["both", "on", "off"], default="both",
                     help="tile kernels: time outer-product and/or tl.dot low-rank terms")
+    ap.add_argument("--small", action="store_true", help="tile kernels: the small grid (SMALL) only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -85,7 +89,7 @@ def main():
     default = dict(K.CFG)
     rows = []
     want = set(a.kernels.split(",")) if a.kernels else set(default)
-    tiles = [t for t in TILES if a.fma == "both" or (t[3] > 0) == (a.fma == "on")]
+    tiles = [t for t in (SMALL if a.small else TILES) if a.fma == "both" or (t[3] > 0) == (a.fma == "on")]
     for name, key, nbytes, fn in cases(a.rows, a.rank, a.dropout, "cuda"):
         if key not in want:
             continue
