@@ -247,6 +247,9 @@ def main(argv=None):
                         "the first is the baseline every ratio is taken to")
     p.add_argument("--pallas-native-rows", action="store_true",
                    help="the Pallas loss's row chunks natively launched (bridge.fused_linear_ce.NATIVE_ROWS)")
+    p.add_argument("--lora-cfg", default=None, metavar="JSON|FILE",
+                   help="launch settings of the Triton LoRA kernels to use, {kernel: setting} "
+                        "(forge_triton.lora_kernels.CFG), or a tune_lora_kernels.json (its 'best')")
     p.add_argument("--no-single", action="store_true", help="skip the one-kernel-at-a-time variants")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rotations over the patchable variants")
@@ -259,6 +262,16 @@ def main(argv=None):
         import bridge.fused_linear_ce as bridge_flce
 
         bridge_flce.NATIVE_ROWS = True
+    if a.lora_cfg:
+        from forge_triton import lora_kernels
+
+        cfg = json.loads(Path(a.lora_cfg).read_text()) if Path(a.lora_cfg).is_file() else json.loads(a.lora_cfg)
+        cfg = cfg.get("best", cfg)
+        for k, v in cfg.items():
+            if k not in lora_kernels.CFG or len(v) != len(lora_kernels.CFG[k]):
+                p.error(f"--lora-cfg: {k}={v} is no setting of forge_triton.lora_kernels.CFG")
+            lora_kernels.CFG[k] = tuple(v)
+        print("Triton LoRA kernels' settings:", dict(lora_kernels.CFG))
     if any(b not in ("triton", "pallas") for b in a.backends):
         p.error(f"--backend: triton, pallas or both, not {a.backend!r}")
     if a.quick:

@@ -111,14 +111,30 @@ def main():
         frac = lambda ms: nbytes / (ms * 1e-3) / 1e9 / bc.COPY_CEILING_GBS  # noqa: E731
         rows.append(dict(case=name, kernel=key, now=default[key], now_us=round(now * 1e3, 1), now_frac=round(frac(now), 3),
                          best=best, best_us=round(best_ms * 1e3, 1), best_frac=round(frac(best_ms), 3),
-                         top5=[(round(ms * 1e3, 1), c) for ms, c in timed[:5]]))
+                         top5=[(round(ms * 1e3, 1), c) for ms, c in timed[:5]],
+                         timed=[(round(ms * 1e3, 1), c) for ms, c in timed]))
         r = rows[-1]
         print(f"{name:28s} now {str(r['now']):18s} {r['now_us']:8.1f} us {r['now_frac']:.2f} | "
               f"best {str(best):18s} {r['best_us']:8.1f} us {r['best_frac']:.2f} | top5 {r['top5']}", flush=True)
+    best = best_settings(rows)
+    print("best per kernel (least total time over its cases):", json.dumps(best))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "tune_lora_kernels.json"), "w") as f:
-            json.dump(dict(env=bc.environment(), rows=rows, command=" ".join(sys.argv)), f, indent=1, default=str)
+            json.dump(dict(env=bc.environment(), rows=rows, best=best, command=" ".join(sys.argv)), f, indent=1,
+                      default=str)
+
+
+def best_settings(rows):
+    """{kernel: setting} with the least total time over the kernel's cases, among the settings
+    every case timed (bench_patch_bisect.py --lora-cfg takes it)."""
+    out = {}
+    for key in dict.fromkeys(r["kernel"] for r in rows):
+        per = [{tuple(c): us for us, c in r["timed"]} for r in rows if r["kernel"] == key]
+        common = set.intersection(*(set(d) for d in per))
+        if common:
+            out[key] = list(min(common, key=lambda c: sum(d[c] for d in per)))
+    return out
 
 
 if __name__ == "__main__":
