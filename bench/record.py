@@ -27,7 +27,7 @@ def record(paths: list[Path], out: Path) -> list[Path]:
             meta = None
         if not isinstance(meta, dict) or "benchmark" not in meta:
             raise SystemExit(f"{j}: not a result file written by bench/_common.write_results")
-        for ext in (".json", ".csv", ".png"):
+        for ext in (".json", ".csv", ".png", ".svg"):
             src = j.with_suffix(ext)
             if src.exists():
                 shutil.copyfile(src, out / src.name)

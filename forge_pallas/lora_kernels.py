@@ -29,7 +29,8 @@ BLOCK_N = 64
 DOWN_BLOCK_M = 32
 DOWN_BLOCK_K = 64
 # the largest rank whose low-rank term in a tile kernel runs as r outer products of a column and a
-# row (CUDA cores) rather than one dot: Triton's CFG option, untimed here so far (0: dot always).
+# row (CUDA cores) rather than one dot: Triton's CFG option, where the dot won every case on an
+# H100 at r=16 (docs/performance.md); untimed for Pallas (0: dot always).
 # Read when a kernel is traced: a change needs fresh traces (jax.clear_caches and the bridge's).
 FMA_UPTO = 0
 

@@ -30,7 +30,7 @@ SLOTS = 3
 
 # Launch settings per kernel: the tile kernels (add, dx, glu_fwd, glu_bwd) as (BLOCK_M, BLOCK_N,
 # num_warps, the largest rank whose low-rank term runs as outer products on the CUDA cores rather
-# than tl.dot; 0: never); the rank-r reductions over a row (down, grad_a) as (BLOCK_M, BLOCK_K, num_warps,
+# than tl.dot; 0: never, the dot won every case on an H100 at r=16); the rank-r reductions over a row (down, grad_a) as (BLOCK_M, BLOCK_K, num_warps,
 # programs per SM they split their work to fill). Module data, so that
 # bench/diagnostics/tune_lora_kernels.py can time alternatives at the 8B shapes.
 CFG = {  # chosen by that diagnostic on the H200 at 4096 rows (docs/performance.md has the table)
