@@ -130,7 +130,9 @@ def _pin_routing(model, routes):
     probabilities (normalised as the router does), so gradients still flow through its logits.
     With top-8 of 64 experts the 8th and 9th probabilities are often a rounding apart: bf16
     breaks such a tie one way in one run and the other way in the next, and one token moved to
-    another expert changes that expert's gradient by a share no rounding bound covers. Pinned,
+    another expert changes that expert's gradient by a share no rounding bound covers (at the
+    GPU shape, 32 tokens, unpatched under CPU autocast: 1-6 tokens per layer chose another set
+    than the float64 reference, three seeds; docs/lab-notes.md, 2026-12-05). Pinned,
     every run computes the same assignment and the rule measures the kernels' arithmetic.
     Returns the hooks' handles."""
     handles = []
