@@ -46,6 +46,7 @@ from . import copying
 from . import forwards as fw
 from . import graphs as _graphs
 from . import qkv as _qkv
+from . import stacking as _stacking
 from . import report as _report
 from .guard import GuardStats
 from .args import MODES, PATCH_KEYS  # noqa: F401  (forge.patching.core.PATCH_KEYS: tests, bench)
@@ -150,6 +151,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         g = _apply_graphs(root, p) if graphs else None
     except BaseException:
         p.restore()
+        _run(p.undo)
         _run(undo)
         raise
     backends = p.backends()
@@ -160,7 +162,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
                              kernels=requested if explicit else None, graphs=graphs, recompute_mlp=recompute_mlp,
                              compile_kernels=compile_kernels,
                              min_fused=None if min_fused is defaults.MIN_FUSED_ELEMENTS else min_fused)
-    state = _State(args[:7], p._records, undo, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
+    state = _State(args[:7], p._records, undo + p.undo, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
     root.__dict__["_forge_state"] = state
     copying.publish(state, chain, _PUBLIC)
     _report.log_patch(root, state, p, g)
@@ -351,8 +353,9 @@ def _glu_modules(p, key, mlps):
         if p.is_replaced(mod) or not all(isinstance(getattr(mod, n, None), nn.Module) for n in _arch.MLP_PROJ):
             continue
         width = getattr(mod.gate_proj, "out_features", None) or mod.intermediate_size
+        stack = p.mode == "infer" and bool(_stacking.stack([mod], _stacking.GATE_UP, p.undo))
         fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod._modules["act_fn"]), type(mod).forward,
-                             width, thr, ks, p.recompute_mlp, defer=p.defers(key))
+                             width, thr, ks, p.recompute_mlp, defer=p.defers(key), stack=stack)
         p.replace_forward(mod, key, types.MethodType(fwd, mod))
     if key not in p.counts:
         p.skip(key, f"no MLP module has submodules {_arch.MLP_PROJ} (or all were taken by lora_mlp)")

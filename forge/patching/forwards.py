@@ -28,6 +28,7 @@ from torch import nn
 from ..ops.gated_mlp import _any_autocast
 from ..spec.fused_linear_ce import check_labels
 from ..spec.rope import tables_need_grad
+from . import stacking
 from .guard import CAPTURE
 
 
@@ -65,7 +66,8 @@ def _plain_linear(m, dtype) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
 
 
-def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, recompute=False, defer=False):
+def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, recompute=False, defer=False,
+                stack=False):
     """``mlp``: the gated MLP (forge.spec.gated_mlp): in train mode one autograd node under
     autograd; without autograd (either mode) bare F.linear calls around the kernel (no module
     call overhead). Taken when the three projections are plain bias-free Linears (no autocast,
@@ -74,12 +76,19 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
     call finding another there (swapped after patching) runs ``orig``, counted as a fallback.
     ``recompute``: the gated MLP keeps only its input for backward (forge.patch(recompute_mlp=)).
     ``defer``: as rmsnorm_forward's, but through :func:`_traced_glu`. Unfused calls inside a
-    torch.compile trace take it too."""
+    torch.compile trace take it too. ``stack``: gate and up are stored together
+    (forge.patching.stacking): a call of at most ``stacking.GLU_ROWS`` rows reads them with one
+    product."""
     def forward(self, x):
         if type(self._modules.get("act_fn")) is not act_type:  # (a dict read: no Module.__getattr__)
             if not _compiling():
                 ks.fallback += 1
             return orig(self, x)
+        if stack and x.numel() // x.shape[-1] <= stacking.GLU_ROWS and not _compiling():
+            y = _stacked_glu(self, x, kernel)  # (a decoding step: below any threshold, yet one product less)
+            if y is not None:
+                ks.fused += 1
+                return y
         # activation elements of the fused call: rows x intermediate width
         if x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on:
             if not _compiling():
@@ -98,6 +107,17 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
         return _traced_glu(self, x, orig)
 
     return forward
+
+
+def _stacked_glu(mlp, x, kernel):
+    """down(act(gate(x)) * up(x)) with gate and up read by one product over their weights stored
+    together, else None (not stacked, biases, a gradient wanted, autocast, hooks)."""
+    wb, dp = stacking.weights(mlp, stacking.GATE_UP, x), mlp._modules["down_proj"]
+    if (wb is None or wb[1] is not None or not _plain_linear(dp, x.dtype) or _any_autocast()
+            or _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks):
+        return None
+    g, u = F.linear(x, wb[0]).split(mlp._modules["gate_proj"].weight.shape[0], dim=-1)
+    return F.linear(kernel(g, u), dp.weight)
 
 
 def _act_mul(act, g, u):

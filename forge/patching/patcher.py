@@ -48,6 +48,7 @@ class Patcher:
         self._records: list[list] = []       # [module, had_instance_attr, old_attr, key, attr name]
         self._by_id: dict[int, list] = {}
         self.quiet: set[str] = set()         # skips that only say a kernel does not apply
+        self.undo: list = []                 # callables unpatch runs (and a failed patch), e.g. unstacking
         # where the kernels would run: a backend that cannot run there is declined at patch time
         params = list(root.parameters())
         self.device_types = frozenset(t.device.type for t in params)

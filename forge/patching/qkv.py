@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import stacking
 from .forwards import _compiling
 from .guard import CAPTURE
 
@@ -139,7 +140,11 @@ def apply(p, attns) -> None:
     if not p.wants(KEY) or not attns:
         return
     if p.mode == "infer":
-        p.skip(KEY, "mode='infer': most of what the one product saves is in the backward", applies=False)
+        if stacking.STACK_INFER:
+            _apply_stacked(p, attns)
+        else:
+            p.skip(KEY, "mode='infer': most of what the one product saves is in the backward (weights stored "
+                        "together for it: forge.patching.stacking.STACK_INFER)", applies=False)
         return
     if not p.graphs:
         p.skip(KEY, "fuses inside forge's CUDA graphs only (graphs=True): in an eager step its host time "
@@ -169,3 +174,33 @@ def apply(p, attns) -> None:
         p.replace_forward(attn.v_proj, KEY, types.MethodType(v_fwd, attn), count=False)
     if why:
         p.skip(KEY, f"{len(why)} of {len(free)} attention modules run three products: {why[0]}", applies=False)
+
+
+def _stacked(attn, x, args, kwargs):
+    """(q, k, v) from one product over the weights stored together (forge.patching.stacking), else
+    None. Inference only; k and v are views of the product (the cache update and attention read
+    strided rows as they do a transposed projection)."""
+    if args or kwargs or _compiling():
+        return None
+    wb = stacking.weights(attn, QKV, x)
+    if wb is None:
+        return None
+    y = F.linear(x, *wb)
+    return tuple(y.split([attn._modules[n].weight.shape[0] for n in QKV], dim=-1))
+
+
+def _apply_stacked(p, attns) -> None:
+    """mode="infer" with stacking on: the projections' weights moved back to back, one product."""
+    free = [a for a in attns if not any("forward" in getattr(a._modules.get(n), "__dict__", {}) for n in QKV)]
+    stacking.stack(free, QKV, p.undo)
+    fit = [a for a in free if stacking.stacked([a._modules[n].weight for n in QKV]) is not None]
+    if not fit:
+        p.skip(KEY, "no attention module's q/k/v projections are plain nn.Linear of one dtype and device",
+               applies=False)
+        return
+    p.runs_torch(KEY)
+    q_fwd, k_fwd, v_fwd = slot_forwards(_stacked, p.stats.counter(KEY))
+    for attn in fit:
+        p.replace_forward(attn.q_proj, KEY, types.MethodType(q_fwd, attn))
+        p.replace_forward(attn.k_proj, KEY, types.MethodType(k_fwd, attn), count=False)
+        p.replace_forward(attn.v_proj, KEY, types.MethodType(v_fwd, attn), count=False)

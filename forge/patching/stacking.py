@@ -1,0 +1,131 @@
+"""Weights stored back to back, for inference: q/k/v and gate/up each read by one product.
+
+In a decoding step every product is a matrix-vector product over a weight, bound by the bytes
+it reads, and narrow ones (grouped-query attention's k and v: 1024 of 4096 rows at Llama-3-8B)
+do not reach the bandwidth of wide ones; each is also a launch of its own. With ``STACK_INFER``
+on, ``forge.patch(mode="infer")`` moves the q, k and v weights of every attention module (and
+their biases) into one block of memory, and the gate and up weights of every gated MLP into
+another, as slices of it: each projection's ``weight`` is the same ``nn.Parameter`` object as
+before, holding the same values, now a view into the block. Nothing is copied per call and no
+memory is added (while patching, one module's block exists beside its old weights). A call then
+reads q, k and v with one product (forge.patching.qkv) and, for at most ``GLU_ROWS`` rows,
+gate and up with one (forge.patching.forwards.glu_forward; above it the split halves of a wide
+product would need copies before the activation kernel, which reads dense tensors). Where the
+weights are found apart again (``model.to(...)`` gave each its own tensor, or a projection was
+replaced), the call runs the separate products: ``stacked`` is checked on each call.
+
+``unpatch`` gives every moved weight its own memory again (a copy, one module at a time), so the
+model's parameters are as they were; the Parameter objects never change. transformers'
+``save_pretrained`` saves such views (it copies disjoint slices of one block before writing).
+
+Off by default (``STACK_INFER = False``): built and tested on the CPU; the decoding step's time
+with it has not been measured on a GPU yet.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+STACK_INFER = False  # forge.patch(mode="infer") stacks q/k/v and gate/up weights (read at patch time)
+GLU_ROWS = 16  # gate and up as one product for calls of at most this many rows (decoding steps)
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def _plain(mods, bias: bool | None) -> bool:
+    """nn.Linear modules with plain weights of one dtype, device and input width; biases on all or
+    none (``bias``: None either way, False none)."""
+    if any(type(m) is not nn.Linear for m in mods):
+        return False
+    ws = [m.weight for m in mods]
+    if any(type(w) not in (nn.Parameter, torch.Tensor) for w in ws):
+        return False
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or not all(w.is_contiguous() for w in ws):
+        return False
+    has = [m.bias is not None for m in mods]
+    if any(has) != all(has) or (bias is False and any(has)):
+        return False
+    return not any(has) or len({(m.bias.dtype, m.bias.device) for m in mods} | {(ws[0].dtype, ws[0].device)}) == 1
+
+
+def stacked(ts):
+    """One tensor over ``ts`` (weights of equal trailing shape, or 1-D biases) when they lie back to
+    back in one block of memory, in this order, else None. A view: reads what they hold now."""
+    t0 = ts[0]
+    try:
+        st = t0.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # (a tensor subclass without a storage)
+        return None
+    off = t0.storage_offset()
+    for t in ts:
+        if (t.untyped_storage().data_ptr() != st or t.storage_offset() != off or t.dtype != t0.dtype
+                or t.shape[1:] != t0.shape[1:] or not t.is_contiguous()):
+            return None
+        off += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return t0.detach().as_strided((rows,) + tuple(t0.shape[1:]), t0.stride())
+
+
+def _move(ts) -> None:
+    """Put the tensors (parameters) back to back in one new block, each keeping its object."""
+    if stacked(ts) is not None:
+        return  # already (a copy of a stacked model, patched again)
+    with torch.no_grad():
+        block = torch.cat([t.detach() for t in ts])  # (dtype and device checked by _plain)
+        o = 0
+        for t in ts:
+            n = t.shape[0]
+            t.data = block[o:o + n]
+            o += n
+
+
+def _unmove(ts) -> None:
+    with torch.no_grad():
+        for t in ts:
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a slice: its own memory again
+                t.data = t.data.clone()
+
+
+def stack(modules, names, undo) -> list:
+    """With ``STACK_INFER`` on, stack the weights (and biases) of ``parent[n] for n in names`` for
+    each ``parent`` of ``modules`` whose projections fit; returns the groups stacked now or
+    before, and appends their :func:`unstack` to ``undo`` (the patch's undo list)."""
+    if not STACK_INFER:
+        return []
+    moved = []
+    undo.append(lambda: unstack(moved))
+    for parent in modules:
+        mods = [parent._modules.get(n) for n in names]
+        if any(m is None for m in mods) or not _plain(mods, None):
+            continue
+        for attr in ("weight", "bias"):
+            ts = [getattr(m, attr) for m in mods]
+            if ts[0] is not None:
+                _move(ts)
+                moved.append(ts)
+    return moved
+
+
+def unstack(moved) -> None:
+    for ts in moved:
+        _unmove(ts)
+    moved.clear()
+
+
+def weights(parent, names, x):
+    """(weight, bias or None) stacked over ``parent``'s projections ``names`` for a call on ``x``
+    that needs no gradient of them, else None (run the separate products)."""
+    mods = [parent._modules.get(n) for n in names]
+    if any(type(m) is not nn.Linear for m in mods):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for m in mods for p in m.parameters())):
+        return None
+    w = stacked([m.weight for m in mods])
+    if w is None or w.dtype != x.dtype or w.device != x.device:
+        return None
+    if mods[0].bias is None:
+        return (w, None) if all(m.bias is None for m in mods) else None
+    if any(m.bias is None for m in mods):
+        return None
+    b = stacked([m.bias for m in mods])
+    return None if b is None else (w, b)

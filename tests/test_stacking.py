@@ -1,0 +1,157 @@
+"""Weights stored back to back for inference (forge.patching.stacking, ``STACK_INFER``): q/k/v
+and gate/up each read by one product; the parameters keep their objects and values, unpatch
+gives each its own memory again, and calls where the weights are apart again (or a gradient is
+wanted) run the separate products."""
+from __future__ import annotations
+
+from forge import _runtime
+
+_runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import forge  # noqa: E402
+from forge.__main__ import build_model  # noqa: E402
+from forge.patching import stacking  # noqa: E402
+from forge.patching.stacking import GATE_UP, QKV  # noqa: E402
+from forge import ops  # noqa: E402
+from oracle import need_backend  # noqa: E402
+
+BACKENDS = ops.BACKENDS
+
+KERNELS = ["rmsnorm", "swiglu", "geglu", "rope", "qkv"]
+
+
+@pytest.fixture
+def stack_on(monkeypatch):
+    monkeypatch.setattr(stacking, "STACK_INFER", True)
+
+
+def _model(model_type="qwen2", dtype=torch.float32):
+    return build_model(model_type, dtype=dtype).eval()
+
+
+def _ids(model, b=2, s=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (b, s), generator=g)
+
+
+def _groups(model):
+    """(parent, names) of every projection group stacking applies to."""
+    for m in model.modules():
+        if all(isinstance(m._modules.get(n), torch.nn.Linear) for n in QKV):
+            yield m, QKV
+        if all(isinstance(m._modules.get(n), torch.nn.Linear) for n in GATE_UP):
+            yield m, GATE_UP
+
+
+def _own_memory(t):
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "gemma"])  # (qwen2: q/k/v biases; gemma: GeGLU)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stacked_steps_equal_the_separate_products(model_type, backend, monkeypatch):
+    need_backend(backend)
+    model = _model(model_type)
+    ref = copy.deepcopy(model)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    forge.patch(ref, mode="infer", backend=backend, kernels=KERNELS, min_elements=0)  # the same kernels, apart
+    monkeypatch.setattr(stacking, "STACK_INFER", True)
+    forge.patch(model, mode="infer", backend=backend, kernels=KERNELS, min_elements=0)
+    # every group lies back to back in one block, each parameter the same object with its values
+    for parent, names in _groups(model):
+        assert stacking.stacked([parent._modules[n].weight for n in names]) is not None, names
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and torch.equal(p, before[n][1]), n
+    # decoding-sized calls (one row per sequence) and a prompt, without gradients
+    for s in (1, 7):
+        ids = _ids(model, 3, s)
+        with torch.no_grad():
+            got, want = model(ids).logits, ref(ids).logits
+        # fp32: the same dot products, summed in another order at most (a wider product)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    st = model._forge_guard_stats
+    assert st.fused("qkv") == 2 * model.config.num_hidden_layers, st.as_dict()
+    glu = "geglu" if model_type == "gemma" else "swiglu"
+    assert st.fused(glu) >= model.config.num_hidden_layers  # (the one-row calls at least: one product)
+    forge.unpatch(model)
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and torch.equal(p, before[n][1]) and _own_memory(p), n
+
+
+def test_off_by_default_nothing_moves():
+    assert stacking.STACK_INFER is False
+    model = _model()
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    forge.patch(model, mode="infer", min_elements=0)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    assert "qkv" not in model._forge_patched_counts
+
+
+def test_training_never_stacks(stack_on):
+    model = _model()
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    forge.patch(model, mode="train", min_elements=0)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+
+
+def test_gradients_and_moved_weights_run_the_separate_products(monkeypatch):
+    model = _model()
+    ref = copy.deepcopy(model)
+    kw = dict(mode="infer", backend="triton", kernels=KERNELS, min_elements=0)  # (triton: float64 below)
+    forge.patch(ref, **kw)  # the same kernels, weights apart
+    monkeypatch.setattr(stacking, "STACK_INFER", True)
+    forge.patch(model, **kw)
+    ids = _ids(model, 2, 1)
+    st = model._forge_guard_stats
+    # a call under autograd with parameters that require grad: the separate products, gradients right
+    model(ids).logits.sum().backward()
+    ref(ids).logits.sum().backward()
+    assert st.fused("qkv") == 0 and st.fallback("qkv") == model.config.num_hidden_layers
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    # .to() gives every parameter its own tensor: no longer back to back, the separate products
+    model.to(torch.float64)
+    ref.to(torch.float64)
+    parent, names = next(_groups(model))
+    assert stacking.stacked([parent._modules[n].weight for n in names]) is None
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)  # the same products
+    assert st.fused("qkv") == 0
+    forge.unpatch(model)
+
+
+def test_save_pretrained_and_reload(stack_on, tmp_path):
+    model = _model()
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    model.save_pretrained(tmp_path)  # transformers copies disjoint slices of one block before writing
+    back = type(model).from_pretrained(tmp_path).eval()
+    for (n, p), (_, q) in zip(model.named_parameters(), back.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_greedy_generate_equals_unpatched(stack_on):
+    model = _model("llama")
+    ref = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    ids = _ids(model, 2, 5)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_a_failed_patch_unstacks(stack_on, monkeypatch):
+    model = _model()
+    import forge.patching.core as core
+
+    def boom(*_a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(core, "_apply_fused_ce", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    assert all(_own_memory(p) for p in model.parameters())
