@@ -150,8 +150,7 @@ def apply(p, attns) -> None:
         p.skip(KEY, "fuses inside forge's CUDA graphs only (graphs=True): in an eager step its host time "
                     "outweighed the device time it saves", applies=False)
         return
-    # (an instance-level forward: taken by lora_qkv, or by another library)
-    free = [a for a in attns if not any("forward" in getattr(a._modules.get(n), "__dict__", {}) for n in QKV)]
+    free = _free(attns)
     if not free:
         p.skip(KEY, "every attention module's projections are taken (lora_qkv) or replaced by another library",
                applies=False)
@@ -166,12 +165,7 @@ def apply(p, attns) -> None:
     if not fit:  # (a fusion, not a kernel: a decline only warns when "qkv" was asked for by name)
         p.skip(KEY, why[0] if why else "no attention module fits", applies=False)
         return
-    p.runs_torch(KEY)
-    q_fwd, k_fwd, v_fwd = slot_forwards(_fused, p.stats.counter(KEY))
-    for attn in fit:
-        p.replace_forward(attn.q_proj, KEY, types.MethodType(q_fwd, attn))
-        p.replace_forward(attn.k_proj, KEY, types.MethodType(k_fwd, attn), count=False)
-        p.replace_forward(attn.v_proj, KEY, types.MethodType(v_fwd, attn), count=False)
+    _install(p, fit, _fused)
     if why:
         p.skip(KEY, f"{len(why)} of {len(free)} attention modules run three products: {why[0]}", applies=False)
 
@@ -191,16 +185,27 @@ def _stacked(attn, x, args, kwargs):
 
 def _apply_stacked(p, attns) -> None:
     """mode="infer" with stacking on: the projections' weights moved back to back, one product."""
-    free = [a for a in attns if not any("forward" in getattr(a._modules.get(n), "__dict__", {}) for n in QKV)]
+    free = _free(attns)
     stacking.stack(free, QKV, p.undo)
     fit = [a for a in free if stacking.stacked([a._modules[n].weight for n in QKV]) is not None]
     if not fit:
         p.skip(KEY, "no attention module's q/k/v projections are plain nn.Linear of one dtype and device",
                applies=False)
         return
+    _install(p, fit, _stacked)
+
+
+def _free(attns):
+    """The attention modules none of whose projections has an instance-level forward (taken by
+    lora_qkv, or by another library)."""
+    return [a for a in attns if not any("forward" in getattr(a._modules.get(n), "__dict__", {}) for n in QKV)]
+
+
+def _install(p, attns, compute) -> None:
+    """q_proj makes the three with ``compute``; k_proj and v_proj take theirs from the slot."""
     p.runs_torch(KEY)
-    q_fwd, k_fwd, v_fwd = slot_forwards(_stacked, p.stats.counter(KEY))
-    for attn in fit:
+    q_fwd, k_fwd, v_fwd = slot_forwards(compute, p.stats.counter(KEY))
+    for attn in attns:
         p.replace_forward(attn.q_proj, KEY, types.MethodType(q_fwd, attn))
         p.replace_forward(attn.k_proj, KEY, types.MethodType(k_fwd, attn), count=False)
         p.replace_forward(attn.v_proj, KEY, types.MethodType(v_fwd, attn), count=False)
