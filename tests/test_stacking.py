@@ -155,3 +155,22 @@ def test_a_failed_patch_unstacks(stack_on, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
     assert all(_own_memory(p) for p in model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_stacked_generate_gpu(model_type, monkeypatch):
+    """Real widths, bf16, forge's captured decoding steps on the stacked weights: greedy
+    generate() by test_decode's rule (logits along both continuations against a float32 copy),
+    the stacked products taken in the captured steps."""
+    from test_decode import _check_generate, _model as _decode_model, _prompt
+
+    monkeypatch.setattr(stacking, "STACK_INFER", True)
+    model = _decode_model(model_type, "qwen05b", torch.bfloat16, "cuda")
+    ids, mask = _prompt(model, 2, 32, "cuda")
+    _check_generate(model, ids, mask, 20, torch.bfloat16, torch.float32, backend="triton", graphs=True)
+    st = model._forge_graphs.stats
+    assert st.decode_captures >= 1 and not [w for w in st.why if "capture failed" in w], st
+    parent, names = next(_groups(model))
+    assert stacking.stacked([parent._modules[n].weight for n in names]) is not None
+    assert model._forge_guard_stats.fused("qkv") > 0
