@@ -105,9 +105,15 @@ def main(argv=None):
     ap.add_argument("--upto-ratio", type=float, default=None, metavar="R",
                     help="search forge only up to R x eager's length (a bar's question, answered with fewer "
                          "of the longest, slowest probes); reached_limit then means at least R x")
+    ap.add_argument("--recompute-mlp", action="store_true",
+                    help="with --full: also forge.patch(recompute_mlp=True), the gated MLP keeping only its input "
+                         "for the backward (two products more per layer; LoRA's fused MLP has no such option)")
     ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU: a smoke test")
     bc.add_out_argument(ap)
     a = ap.parse_args(argv)
+    if a.recompute_mlp and not a.full:
+        ap.error("--recompute-mlp: with --full only (the gated MLP node of a full fine-tune; LoRA's fused MLP "
+                 "keeps its activations either way)")
     if a.quick:
         a.model, a.start, a.limit, a.granularity = "tiny", 16, 64, 8
     bc.say_smoke_test()
@@ -127,9 +133,10 @@ def main(argv=None):
         else:
             model.gradient_checkpointing_disable()
         model.train()
-        for variant in ("eager", f"forge {a.backend}"):
+        variants = ["eager", f"forge {a.backend}"] + ([f"forge {a.backend} recompute_mlp"] if a.recompute_mlp else [])
+        for variant in variants:
             if variant != "eager":
-                forge.patch(model, backend=a.backend)
+                forge.patch(model, backend=a.backend, recompute_mlp=variant.endswith("recompute_mlp"))
             cap = None
             if variant != "eager" and a.upto_ratio and eager_len.get(ckpt):
                 cap = min(a.limit, max(a.start, int(a.upto_ratio * eager_len[ckpt]) // a.granularity * a.granularity))
