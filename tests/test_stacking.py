@@ -125,6 +125,29 @@ def test_gradients_and_moved_weights_run_the_separate_products(monkeypatch):
     forge.unpatch(model)
 
 
+def test_weights_already_together_are_left_so(stack_on):
+    # tensors a loader placed back to back in one block (as a file's memory can hold them): used
+    # as they lie, not moved, and unpatch leaves them so
+    model = _model()
+    for parent, names in _groups(model):
+        ws = [parent._modules[n].weight for n in names]
+        block = torch.cat([w.detach() for w in ws])
+        o = 0
+        for w in ws:
+            w.data = block[o:o + w.shape[0]]
+            o += w.shape[0]
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    ws_ptrs = {n: p.data_ptr() for n, p in model.named_parameters() if "bias" not in n}
+    assert ws_ptrs == {n: v for n, v in ptrs.items() if n in ws_ptrs}  # the weights stayed where they were
+    with torch.no_grad():
+        model(_ids(model))
+    assert model._forge_guard_stats.fused("qkv") == model.config.num_hidden_layers
+    forge.unpatch(model)
+    parent, names = next(_groups(model))
+    assert stacking.stacked([parent._modules[n].weight for n in names]) is not None
+
+
 def test_save_pretrained_and_reload(stack_on, tmp_path):
     model = _model()
     forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)

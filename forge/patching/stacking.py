@@ -32,9 +32,9 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
-def _plain(mods, bias: bool | None) -> bool:
+def _plain(mods) -> bool:
     """nn.Linear modules with plain weights of one dtype, device and input width; biases on all or
-    none (``bias``: None either way, False none)."""
+    none."""
     if any(type(m) is not nn.Linear for m in mods):
         return False
     ws = [m.weight for m in mods]
@@ -43,7 +43,7 @@ def _plain(mods, bias: bool | None) -> bool:
     if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or not all(w.is_contiguous() for w in ws):
         return False
     has = [m.bias is not None for m in mods]
-    if any(has) != all(has) or (bias is False and any(has)):
+    if any(has) != all(has):
         return False
     return not any(has) or len({(m.bias.dtype, m.bias.device) for m in mods} | {(ws[0].dtype, ws[0].device)}) == 1
 
@@ -66,10 +66,13 @@ def stacked(ts):
     return t0.detach().as_strided((rows,) + tuple(t0.shape[1:]), t0.stride())
 
 
-def _move(ts) -> None:
-    """Put the tensors (parameters) back to back in one new block, each keeping its object."""
+def _move(ts) -> bool:
+    """Put the tensors (parameters) back to back in one new block, each keeping its object; False
+    where they already lie so (tensors a loader placed back to back in one block), which unpatch
+    then leaves as they are. (A deepcopy of a stacked model is not stacked: torch copies each
+    parameter on its own.)"""
     if stacked(ts) is not None:
-        return  # already (a copy of a stacked model, patched again)
+        return False
     with torch.no_grad():
         block = torch.cat([t.detach() for t in ts])  # (dtype and device checked by _plain)
         o = 0
@@ -77,33 +80,35 @@ def _move(ts) -> None:
             n = t.shape[0]
             t.data = block[o:o + n]
             o += n
+    return True
 
 
 def _unmove(ts) -> None:
     with torch.no_grad():
         for t in ts:
-            if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a slice: its own memory again
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # still a slice: its own memory
                 t.data = t.data.clone()
 
 
 def stack(modules, names, undo) -> list:
     """With ``STACK_INFER`` on, stack the weights (and biases) of ``parent[n] for n in names`` for
-    each ``parent`` of ``modules`` whose projections fit; returns the groups stacked now or
-    before, and appends their :func:`unstack` to ``undo`` (the patch's undo list)."""
+    each ``parent`` of ``modules`` whose projections fit; returns whether any group lies stacked
+    (moved now or found so), and appends the :func:`unstack` of those moved to ``undo`` (the
+    patch's undo list)."""
     if not STACK_INFER:
-        return []
-    moved = []
+        return False
+    moved, any_stacked = [], False
     undo.append(lambda: unstack(moved))
     for parent in modules:
         mods = [parent._modules.get(n) for n in names]
-        if any(m is None for m in mods) or not _plain(mods, None):
+        if any(m is None for m in mods) or not _plain(mods):
             continue
+        any_stacked = True
         for attr in ("weight", "bias"):
             ts = [getattr(m, attr) for m in mods]
-            if ts[0] is not None:
-                _move(ts)
+            if ts[0] is not None and _move(ts):
                 moved.append(ts)
-    return moved
+    return any_stacked
 
 
 def unstack(moved) -> None:
