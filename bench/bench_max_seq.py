@@ -106,14 +106,11 @@ def main(argv=None):
                     help="search forge only up to R x eager's length (a bar's question, answered with fewer "
                          "of the longest, slowest probes); reached_limit then means at least R x")
     ap.add_argument("--recompute-mlp", action="store_true",
-                    help="with --full: also forge.patch(recompute_mlp=True), the gated MLP keeping only its input "
-                         "for the backward (two products more per layer; LoRA's fused MLP has no such option)")
+                    help="also forge.patch(recompute_mlp=True): the gated MLP (or the fused LoRA MLP) keeps only "
+                         "its input for the backward, two products more per layer")
     ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU: a smoke test")
     bc.add_out_argument(ap)
     a = ap.parse_args(argv)
-    if a.recompute_mlp and not a.full:
-        ap.error("--recompute-mlp: with --full only (the gated MLP node of a full fine-tune; LoRA's fused MLP "
-                 "keeps its activations either way)")
     if a.quick:
         a.model, a.start, a.limit, a.granularity = "tiny", 16, 64, 8
     bc.say_smoke_test()

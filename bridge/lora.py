@@ -112,8 +112,9 @@ def _check_mlp(ts, scales, act, drop):
 
 def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
              *, scale_gate, scale_up, scale_down, act="silu", seed=None, dropout_gate=0.0, dropout_up=0.0,
-             dropout_down=0.0):
-    """Pallas gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y."""
+             dropout_down=0.0, recompute=False):
+    """Pallas gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y. ``recompute``:
+    keep x, not the (M, I) pre-activations, for the backward (two products more there)."""
     ts = (x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down)
     scales = (scale_gate, scale_up, scale_down)
     drop = dict(seed=seed, dropout_gate=dropout_gate, dropout_up=dropout_up, dropout_down=dropout_down)
@@ -130,7 +131,7 @@ def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down
         flat += [w, w if a is None else a, w if b is None else b]
     h = x.shape[-1]
     y = core.apply(LORA_MLP, x.reshape(-1, h), *flat, _seed_words(seed, ps, w_gate),
-                   scales=tuple(float(s) for s in scales), gelu=act == "gelu_tanh",
+                   scales=tuple(float(s) for s in scales), gelu=act == "gelu_tanh", recompute=bool(recompute),
                    **_static(mlp_spec.PROJ, adapters, ps))
     return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -145,9 +145,10 @@ def lora_qkv_bwd(inputs, res, grads, *, scales, has_bias, needs, adapters=(True,
 
 # ---------------------------------------------------------------------------------------- mlp
 def lora_mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, seed, *, scales, gelu,
-                 adapters=(True,) * 3, drops=(None,) * 3):
-    """x (M, H), the nine weights, the seed -> ((y,), (g, u, xa, ha)); g, u (M, I) pre-activations,
-    xa (M, R) gate's and up's down-projections of x, ha (M, r) down's of h (a filler without one)."""
+                 adapters=(True,) * 3, drops=(None,) * 3, recompute=False):
+    """x (M, H), the nine weights, the seed -> ((y,), (g, u, xa, ha)); g, u (M, I) pre-activations
+    (fillers with ``recompute``: the backward makes them again from x), xa (M, R) gate's and up's
+    down-projections of x, ha (M, r) down's of h (a filler without one)."""
     dt = x.dtype
     filler = jnp.zeros((1, 1), dt)
     gu = [i for i in range(2) if adapters[i]]
@@ -160,13 +161,20 @@ def lora_mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_
     if adapters[2]:
         ha, _ = _down(h, [a_down], _slots([a_down.shape[0]], drops[2:]), seed)
         y = K.lora_add(y, None, ha, b_down, col=0, scale=scales[2])
+    if recompute:
+        g = u = filler
     return (y,), (g, u, filler if xa is None else xa, ha)
 
 
-def lora_mlp_bwd(inputs, res, grads, *, scales, gelu, needs, adapters=(True,) * 3, drops=(None,) * 3):
+def lora_mlp_bwd(inputs, res, grads, *, scales, gelu, needs, adapters=(True,) * 3, drops=(None,) * 3,
+                 recompute=False):
     """-> (dx, None, d a_gate, d b_gate, None, d a_up, d b_up, None, d a_down, d b_down, None)."""
     x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, seed = inputs
     g, u, xa, ha = res
+    if recompute:  # the forward's products and kernel again (its activation output unused)
+        g, u, _ = K.lora_glu_fwd(_base(x, w_gate), _base(x, w_up), xa,
+                                 b_gate if adapters[0] else None, b_up if adapters[1] else None, scales=scales,
+                                 gelu=gelu)
     (dy,) = grads
     s_g, s_u, s_d = scales
     dt = x.dtype

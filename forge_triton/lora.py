@@ -186,9 +186,11 @@ def _mlp_adapters(t, scales, ps):
     return gu, down
 
 
-def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, seed=None, *, scales, gelu, ps):
+def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, seed=None, *, scales, gelu, ps,
+            recompute=False):
     """y, (g, u, xa, a_gu, ha): the completed pre-activations, the gate and up adapters'
-    down-projections of x side by side and their A stacked, and the down adapter's of h."""
+    down-projections of x side by side and their A stacked, and the down adapter's of h. With
+    ``recompute`` g and u are not kept (empty): the backward makes them again from x."""
     t = dict(zip(mlp_spec.TENSORS, (x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down)))
     with A.no_autocast((x,)):
         x2 = A.rows(x)  # (M, H)
@@ -208,10 +210,24 @@ def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
         if len(down):
             ha, _ = A.down(h, down, words)  # (M, r_down)
             K.lora_add_(y, ha, b_down.t(), scales[2])
+        if recompute:
+            g = u = empty
         return (y.view(*x.shape[:-1], w_down.shape[0]),), (g, u, xa, a_gu, ha)
 
 
-def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
+def _pre_activations(x2, t, gu, xa, scales, gelu, scratch):
+    """g and u again, completed by gate's and up's adapter terms as the forward completed them
+    (the same products and kernel; ``scratch``, (M, I), takes the activation it also writes)."""
+    g = x2 @ t["w_gate"].t()
+    u = x2 @ t["w_up"].t()
+    if len(gu):
+        r_g = t["a_gate"].shape[0] if t["a_gate"] is not None else 0
+        r_u = t["a_up"].shape[0] if t["a_up"] is not None else 0
+        K.glu_fwd_(g, u, scratch, xa, t["b_gate"], t["b_up"], r_g, r_u, scales[0], scales[1], gelu)
+    return g, u
+
+
+def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps, recompute=False):
     """{name: gradient} for the names ``needs`` asks for (x, a_p, b_p)."""
     t = dict(zip(mlp_spec.TENSORS, inputs))
     g, u, xa, a_gu, ha = res
@@ -230,8 +246,10 @@ def mlp_bwd(inputs, res, grads, needs, *, scales, gelu, ps):
             if needs["b_down"]:
                 out["b_down"] = A.grad_b(dy2, ha, s_d, t["b_down"].dtype)  # (H, r)
         dh = dy2 @ w_down  # (M, I); becomes h in the kernel
-        dg = _common.empty_like(g)
-        du = _common.empty_like(u)
+        dg = _common.empty_like(dh)
+        du = _common.empty_like(dh)
+        if recompute:
+            g, u = _pre_activations(x2, t, gu, xa, scales, gelu, dg)
         K.glu_bwd_(dh, g, u, dg, du, dha, t["a_down"], seed, ps[2], gelu)
         h = dh
         if len(down) and needs["a_down"]:
@@ -263,8 +281,9 @@ MLP = _ops.register(_ops.KernelDef("lora_mlp", mlp_fwd, mlp_bwd, names=mlp_spec.
 
 def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
              *, scale_gate, scale_up, scale_down, act="silu", seed=None, dropout_gate=0.0, dropout_up=0.0,
-             dropout_down=0.0):
-    """Triton gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y."""
+             dropout_down=0.0, recompute=False):
+    """Triton gated MLP with LoRA on gate, up and down (forge.spec.lora_mlp) -> y. ``recompute``:
+    keep x, not the (M, I) pre-activations, for the backward (two products more there)."""
     compiling = _ops._compiling()
     key = None if compiling else A.signature(act, x, (w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down,
                                                      b_down))
@@ -284,9 +303,10 @@ def lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down
     ps = (float(dropout_gate), float(dropout_up), float(dropout_down))
     tensors = (x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, seed if any(ps) else None)
     gelu = act == "gelu_tanh"
+    static = dict(scales=scales, gelu=gelu, ps=ps, recompute=bool(recompute))
     if compiling:
-        return _ops.call(MLP, *tensors, scales=scales, gelu=gelu, ps=ps)[0]
-    return KernelFunction.apply(MLP, dict(scales=scales, gelu=gelu, ps=ps), *tensors)
+        return _ops.call(MLP, *tensors, **static)[0]
+    return KernelFunction.apply(MLP, static, *tensors)
 
 
 # ---------------------------------------------------------------------------------------- o

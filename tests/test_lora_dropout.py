@@ -343,3 +343,36 @@ def test_dropout_through_the_ops(backend, device):
     for name, (func, args, kwargs) in seen.items():
         grad = library.has_autograd(name)
         torch.library.opcheck(func, fresh(args, grad), {k: fresh(v, grad) for k, v in kwargs.items()})
+
+
+# ---------------------------------------------------------------- the MLP recomputing g and u
+def _mlp_reference_any(*a, recompute=False, **k):  # (recompute: where the kernel keeps what, not what it computes)
+    return mlp_spec.reference(*a, **k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dropout", [False, True])
+def test_lora_mlp_recompute(backend, dropout, device):
+    # recompute=True (forge.patch(recompute_mlp=True)): the kernel keeps x, not the (M, I) gate and
+    # up outputs, and makes them again in backward: the oracle's rule, and the same numbers as
+    # without it (the same products and kernels, run again), with dropout's masks drawn again
+    cpu = device.type == "cpu"
+    shape, dtype = (MLP_CPU["odd"], F32) if cpu else (MLP_GPU["qwen05b"], torch.bfloat16)
+    case = mlp_case(shape, 16, "silu", dtype, device)
+    if dropout:
+        with_dropout(case, MLP_DROP, device)
+    case["kwargs"]["recompute"] = True
+    _check("lora_mlp", backend, _mlp_reference_any, case)
+    res, wide = {}, {}
+    m, inter = case["tensors"]["x"].numel() // shape[1], shape[2]
+    for rc in (False, True):
+        leaves = {n: t.detach().clone().requires_grad_(n in case["diff"]) for n, t in case["tensors"].items()}
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            y = ops.get("lora_mlp", backend)(**leaves, **{**case["kwargs"], "recompute": rc})
+        wide[rc] = saved.count((m, inter))  # the (M, I) activations kept for the backward
+        y.backward(torch.ones_like(y))
+        res[rc] = [y.detach()] + [leaves[n].grad for n in case["diff"]]
+    assert wide == {False: 2, True: 0}, wide
+    for name, a, b in zip(["y", *case["diff"]], res[False], res[True]):
+        assert torch.equal(a, b), f"{backend} {name}: recompute changed the result"

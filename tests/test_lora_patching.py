@@ -474,3 +474,29 @@ def test_call_time_check_agrees_with_reasons():
     assert "merged" in agree(attn.q_proj)
     pm.unmerge_adapter()
     assert agree(attn.q_proj) is None
+
+
+@pytest.mark.parametrize("backend", ops.BACKENDS)
+def test_recompute_mlp_reaches_the_lora_mlp(backend, device):
+    # forge.patch(recompute_mlp=True) on a LoRA model: the fused LoRA MLP keeps x, not gate's and
+    # up's outputs, and the step's loss and adapter gradients are those without it
+    need(backend)
+    pm = lora_model("llama", device)
+    ids = batch(pm, device)
+    forge.patch(pm, backend=backend, kernels=LORA)
+    plain = step(pm, ids)
+    inter = pm.config.intermediate_size
+    kept = {}
+    for rc in (False, True):
+        forge.patch(pm, backend=backend, kernels=LORA, recompute_mlp=rc)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape[-1:]) or t, lambda t: t):
+            pm.zero_grad(set_to_none=True)
+            loss = pm(input_ids=ids, labels=ids).loss
+        kept[rc] = saved.count(torch.Size([inter]))
+        loss.backward()
+    assert pm._forge_patched_counts["lora_mlp"] == pm.config.num_hidden_layers
+    # per layer, g and u (rows x intermediate) no longer kept
+    assert kept[False] - kept[True] == 2 * pm.config.num_hidden_layers, kept
+    again = step(pm, ids)
+    assert torch.equal(again[0], plain[0]) and all(torch.equal(again[1][n], plain[1][n]) for n in plain[1])

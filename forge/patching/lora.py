@@ -118,9 +118,11 @@ def _call(x, args, kwargs, ps, names, ts):
 
 
 # ------------------------------------------------------------------------------------ mlp
-def _mlp_forward(kernel, act, act_types, lora_linear, ks):
+def _mlp_forward(kernel, act, act_types, lora_linear, ks, recompute=False):
     """``act_types``: the act_fn classes computing ``act``; a call finding another (act_fn
-    swapped after patching) runs the module's own forward."""
+    swapped after patching) runs the module's own forward. ``recompute``: forge.patch's
+    recompute_mlp (the kernel keeps x, not gate's and up's outputs, for the backward)."""
+    extra = {"recompute": True} if recompute else {}
     def forward(self, x, *args, **kwargs):
         mods = self._modules
         ps = [proj_params(mods[n], lora_linear, False) for n in _arch.MLP_PROJ]
@@ -136,7 +138,7 @@ def _mlp_forward(kernel, act, act_types, lora_linear, ks):
             ks.fused += 1
         # every tensor bound to its spec name (forge.spec.lora_mlp.TENSORS), never by position
         return kernel(**dict(zip(_MLP_NAMES, ts)), scale_gate=ps[0][4], scale_up=ps[1][4], scale_down=ps[2][4],
-                      act=act, **drop)
+                      act=act, **drop, **extra)
 
     return forward
 
@@ -267,7 +269,7 @@ def _apply_mlp(model, p, mlps, lora_linear):
     kernel = _ready(p, key, fit)
     if kernel is not None:
         act_types = frozenset(type(m._modules["act_fn"]) for m in fit)
-        fwd = _mlp_forward(kernel, act, act_types, lora_linear, p.stats.counter(key))
+        fwd = _mlp_forward(kernel, act, act_types, lora_linear, p.stats.counter(key), p.recompute_mlp)
         for mod in fit:
             p.replace_forward(mod, key, types.MethodType(fwd, mod))
     _skip_some(p, key, why, len(mlps), "LoRA MLPs")

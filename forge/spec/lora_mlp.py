@@ -5,7 +5,7 @@ Signature (every backend)::
 
     lora_mlp(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
              *, scale_gate, scale_up, scale_down, act="silu", seed=None, dropout_gate=0.0,
-             dropout_up=0.0, dropout_down=0.0) -> y
+             dropout_up=0.0, dropout_down=0.0, recompute=False) -> y
 
     x: (..., H)   w_gate, w_up: (I, H)   w_down: (H, I)   frozen base weights, no bias
     a_gate, a_up: (r, H)   b_gate, b_up: (I, r)   a_down: (r, I)   b_down: (H, r)
@@ -23,7 +23,9 @@ Equivalent torch (``project`` is one peft LoRA linear, see ``forge.spec.lora_qkv
     y = project(h, w_down, None, a_down, b_down, scale_down, seed, SALT["down"], dropout_down)  # (..., H)
 
 Kernels save x, g, u, the seed and the rank-r products xa_p = drop_p(x) a_p^T and
-ha = drop_down(h) a_down^T, and recompute act(g), h and the masks in backward. Gradients flow to x and to
+ha = drop_down(h) a_down^T, and recompute act(g), h and the masks in backward. With
+``recompute=True`` (forge.patch's recompute_mlp) they keep x and not g and u, and make g and u
+again in backward (the base products and the adapters' terms, as the forward made them). Gradients flow to x and to
 every a and b; base weights are frozen (ValueError if one requires grad while grad is enabled).
 Backward, with dy the output gradient::
 
