@@ -210,8 +210,8 @@ def mlp_fwd(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down,
         if len(down):
             ha, _ = A.down(h, down, words)  # (M, r_down)
             K.lora_add_(y, ha, b_down.t(), scales[2])
-        if recompute:
-            g = u = empty
+        if recompute:  # (two fresh empties: an op's outputs may not alias one another)
+            g, u = x2.new_empty(0), x2.new_empty(0)
         return (y.view(*x.shape[:-1], w_down.shape[0]),), (g, u, xa, a_gu, ha)
 
 
