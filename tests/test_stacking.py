@@ -52,7 +52,7 @@ def _own_memory(t):
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama", "gemma"])  # (qwen2: q/k/v biases; gemma: GeGLU)
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama", "gemma", "gemma2"])  # (qwen2: q/k/v biases; qwen3: q/k norms on views; gemma: GeGLU)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stacked_steps_equal_the_separate_products(model_type, backend, monkeypatch):
     need_backend(backend)
@@ -76,7 +76,7 @@ def test_stacked_steps_equal_the_separate_products(model_type, backend, monkeypa
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     st = model._forge_guard_stats
     assert st.fused("qkv") == 2 * model.config.num_hidden_layers, st.as_dict()
-    glu = "geglu" if model_type == "gemma" else "swiglu"
+    glu = "geglu" if model_type.startswith("gemma") else "swiglu"
     assert st.fused(glu) >= model.config.num_hidden_layers  # (the one-row calls at least: one product)
     forge.unpatch(model)
     for n, p in model.named_parameters():
