@@ -48,7 +48,6 @@ import types
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from . import stacking
 from .forwards import _compiling
@@ -98,18 +97,10 @@ def slot_forwards(compute, ks):
 def misfit(attn) -> str | None:
     """Why the projections of ``attn`` cannot run as one product (None when they can)."""
     mods = [attn._modules.get(n) for n in QKV]
-    if any(type(m) is not nn.Linear for m in mods):
-        return "q_proj, k_proj and v_proj are not all plain nn.Linear"
+    why = stacking.misfit(mods, QKV)
+    if why is not None:
+        return why
     ws = [m.weight for m in mods]
-    if any(type(w) is not nn.Parameter and type(w) is not torch.Tensor for w in ws):
-        return "a weight that is not a plain tensor (an FSDP2 shard or a quantized weight)"
-    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
-        return "the three weights differ in dtype, device or input width"
-    bs = [m.bias for m in mods]
-    if any(b is None for b in bs) and any(b is not None for b in bs):
-        return "a bias on some of the projections only"
-    if bs[0] is not None and len({b.dtype for b in bs} | {ws[0].dtype}) != 1:
-        return "biases of another dtype than the weights"
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     if nbytes > MAX_WEIGHT_BYTES:
         return (f"q/k/v weights of {nbytes / 2**20:.1f} MiB per layer, over MAX_WEIGHT_BYTES "

@@ -32,20 +32,24 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
-def _plain(mods) -> bool:
-    """nn.Linear modules with plain weights of one dtype, device and input width; biases on all or
-    none."""
+def misfit(mods, names) -> str | None:
+    """Why the projections ``mods`` (named ``names``) cannot be read by one product over their
+    weights (and biases) side by side, None when they can: plain ``nn.Linear`` modules whose
+    weights are plain tensors of one dtype, device and input width, with biases on all or none,
+    in the weights' dtype (shared with forge.patching.qkv's fusion in training)."""
     if any(type(m) is not nn.Linear for m in mods):
-        return False
+        return f"{', '.join(names)} are not all plain nn.Linear"
     ws = [m.weight for m in mods]
-    if any(type(w) not in (nn.Parameter, torch.Tensor) for w in ws):
-        return False
-    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or not all(w.is_contiguous() for w in ws):
-        return False
-    has = [m.bias is not None for m in mods]
-    if any(has) != all(has):
-        return False
-    return not any(has) or len({(m.bias.dtype, m.bias.device) for m in mods} | {(ws[0].dtype, ws[0].device)}) == 1
+    if any(type(w) is not nn.Parameter and type(w) is not torch.Tensor for w in ws):
+        return "a weight that is not a plain tensor (an FSDP2 shard or a quantized weight)"
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+        return f"the {len(ws)} weights differ in dtype, device or input width"
+    bs = [m.bias for m in mods]
+    if any(b is None for b in bs) and any(b is not None for b in bs):
+        return "a bias on some of the projections only"
+    if bs[0] is not None and len({(b.dtype, b.device) for b in bs} | {(ws[0].dtype, ws[0].device)}) != 1:
+        return "biases of another dtype than the weights"
+    return None
 
 
 def stacked(ts):
@@ -101,7 +105,7 @@ def stack(modules, names, undo) -> list:
     undo.append(lambda: unstack(moved))
     for parent in modules:
         mods = [parent._modules.get(n) for n in names]
-        if any(m is None for m in mods) or not _plain(mods):
+        if any(m is None for m in mods) or misfit(mods, names) is not None:
             continue
         any_stacked = True
         for attr in ("weight", "bias"):
