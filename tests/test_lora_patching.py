@@ -519,3 +519,24 @@ def test_recompute_mlp_under_compile(backend):
     for n, p in pm.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, want[1][n], rtol=1e-5, atol=1e-6 * want[1][n].abs().max().item())
+
+
+@pytest.mark.parametrize("backend", ops.BACKENDS)
+def test_recompute_mlp_under_autocast(backend, device):
+    # float32 parameters under autocast (the Trainer's bf16=True): the fused LoRA MLP recomputing
+    # gate and up gives the step it gives keeping them
+    need(backend)
+    pm = lora_model("llama", device)
+    ids = batch(pm, device)
+    got = {}
+    for rc in (False, True):
+        forge.patch(pm, backend=backend, kernels=LORA, recompute_mlp=rc)
+        pm.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = pm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        got[rc] = (loss.detach(), {n: p.grad.clone() for n, p in pm.named_parameters() if p.requires_grad})
+    assert pm._forge_guard_stats.fused("lora_mlp") > 0
+    assert torch.equal(got[True][0], got[False][0])
+    for n, g in got[False][1].items():
+        assert g.dtype == torch.float32 and torch.equal(got[True][1][n], g), n
