@@ -55,6 +55,8 @@ SUMMARY = {
     "tune_triton": ("rows", ["kernel", "shape", "tile", "progs_per_sm", "warps"], ["fwd_us", "bwd_us"]),
     "bench_lora_curve": ("summary", [], ["gap_forge_eager", "gap_dropout_noise", "gap_rounding", "within"]),
     "bench_max_seq": ("rows", ["variant", "checkpointing"], ["max_len", "vs_eager", "reached_limit"]),
+    "bench_fsdp": ("rows", ["case", "checkpointing", "variant"], ["step_ms", "speedup", "reserved_frac"]),
+    "gemv_bw": ("rows", ["rows", "product"], ["cublas_frac", "triton_frac"]),
 }
 # the names results carried before they were named after their scripts (older JSON files)
 RENAMED = {"bridge_overhead": "bench_bridge_overhead", "flce": "bench_flce", "flce_grad_w": "diag_flce_grad_w",

@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --model ~/Qwen2.5-0.5B --data notes.txt
     torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --quick --out /tmp/ft     # CPU, gloo
     python examples/finetune_lora_fsdp2.py --quick --out /tmp/ft    # without torchrun: one process
+    torchrun --nproc-per-node 2 examples/finetune_lora_fsdp2.py --preset llama3-8b --precision mixed \
+        [--full] [--checkpointing]                                                       # the 8B shape
 
 Launch it with torchrun, one process per GPU. Started without torchrun (no RANK in the
 environment) it runs as a single process (FSDP2 over one rank) and says so. On a CPU (``--quick``,
@@ -12,7 +14,10 @@ losses track eager's; its speed-up is not a measurement.
 
 Each mode (``--mode eager|forge|both``) builds the same model and adapters (same seed), shards
 it with ``fully_shard`` per decoder layer and at the root, patches it with forge (mode forge:
-``--patch after`` or ``before`` sharding) and trains the adapters with AdamW on the same batches.
+``--patch after`` or ``before`` sharding) and trains the adapters with AdamW on the same batches
+(``--full``: every weight instead, and no adapters are saved). ``--precision mixed`` keeps the
+weights in fp32 and gives ``fully_shard`` a MixedPrecisionPolicy (bf16 compute, fp32 gradient
+reduction); ``--checkpointing`` recomputes each decoder layer in the backward.
 
 Model: ``--model PATH`` loads local Hugging Face weights (``from_pretrained``); without it, a
 random-weight model of a bench preset's shape (bench/presets.py, ``--preset``). Data:
@@ -64,6 +69,12 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--full", action="store_true", help="a full fine-tune (every weight trained) instead of LoRA adapters")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "mixed"),
+                   help="bf16: weights stored and computed in bf16 (fp32 on a CPU); mixed: fp32 weights sharded, "
+                        "FSDP2's MixedPrecisionPolicy gathers them as bf16 and reduces gradients in fp32")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of every decoder layer (transformers' gradient_checkpointing_enable)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-dropout", type=float, default=0.05)
     p.add_argument("--lr", type=float, default=2e-4)
@@ -163,6 +174,8 @@ def batch_at(ids: torch.Tensor, step: int, a, rank: int, world: int) -> torch.Te
 
 # ----------------------------------------------------------------------------------- model
 def build(a, device, dtype):
+    """The model of ``a.model`` (or preset ``a.preset``), with peft LoRA adapters unless ``a.full``
+    and activation checkpointing if ``a.checkpointing``, in train mode."""
     import peft
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -176,8 +189,17 @@ def build(a, device, dtype):
         config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if getattr(a, "checkpointing", False):  # (non-reentrant: no input needs requires_grad under LoRA)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(a, "full", False):
+        return model.train()
     cfg = peft.LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, lora_dropout=a.lora_dropout, target_modules=TARGETS)
     return peft.get_peft_model(model, cfg).train()  # adapters in fp32 (peft's default)
+
+
+def weights_dtype(a, device):
+    """What the weights are stored in: fp32 on a CPU and under --precision mixed, else bf16."""
+    return torch.float32 if device.type == "cpu" or getattr(a, "precision", "bf16") == "mixed" else torch.bfloat16
 
 
 def patch_args(a) -> dict:
@@ -187,11 +209,18 @@ def patch_args(a) -> dict:
     return kw
 
 
-def shard(model):
-    root = model.get_base_model()
+def shard(model, precision: str = "bf16"):
+    """``fully_shard`` on every decoder layer and at the root; under ``precision="mixed"`` with
+    FSDP2's MixedPrecisionPolicy (bf16 gathered weights, fp32 gradient reduction)."""
+    kw = {}
+    if precision == "mixed":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in getattr(root, root.base_model_prefix).layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     return model
 
 
@@ -203,12 +232,11 @@ def full_adapter_state(model) -> dict:
 # ----------------------------------------------------------------------------------- one mode
 def train(a, mode, ids, device, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = build(a, device, dtype)
+    model = build(a, device, weights_dtype(a, device))
     patched = {}
     if mode == "forge" and a.patch == "before":
         forge.patch(model, **patch_args(a))
-    shard(model)
+    shard(model, a.precision)
     if mode == "forge" and a.patch == "after":
         forge.patch(model, **patch_args(a))
     if mode == "forge":
@@ -245,12 +273,14 @@ def train(a, mode, ids, device, out: Path) -> dict:
     steady = times[min(5, len(times) - 1):]  # the first steps compile and warm up
     step_s = statistics.median(steady)
     mine = {"tokens_per_s": a.batch * a.seq_len / step_s, "step_ms_median": 1e3 * step_s,
-            "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
+            "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
+            "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20 if cuda else None}
     per_rank = [None] * world
     dist.all_gather_object(per_rank, mine)
-    state = full_adapter_state(model)
+    state = None if a.full else full_adapter_state(model)  # (a full fine-tune's weights are not saved)
     if rank == 0:
-        model.save_pretrained(str(out / f"adapter-{mode}"), state_dict=state)
+        if state is not None:
+            model.save_pretrained(str(out / f"adapter-{mode}"), state_dict=state)
         if prof is not None:
             (out / f"profile-{mode}.json").write_text(json.dumps(prof, indent=2))
     del model, opt
@@ -338,7 +368,7 @@ def write_artifacts(a, out: Path, res: dict, device):
 
     svgplot.line_chart(out / "loss.svg", {
         f"{m} ({statistics.median(res[m]['step_ms'][5:] or res[m]['step_ms']):.0f} ms/step)": res[m]["losses"]
-        for m in modes}, title=f"LoRA r={a.lora_r} under FSDP2, {dist.get_world_size()} ranks", xlabel="step",
+        for m in modes}, title=f"{'full fine-tune' if a.full else f'LoRA r={a.lora_r}'} under FSDP2, {dist.get_world_size()} ranks", xlabel="step",
         ylabel="loss (mean over ranks)")
     versions = {}  # a module not imported yet is read from its installed metadata (importing jax
     for mod in ("torch", "transformers", "peft", "triton", "jax", "tokenizers"):  # costs seconds)

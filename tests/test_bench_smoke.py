@@ -181,6 +181,19 @@ def test_bench_max_seq_quick(tmp_path):
     assert all(int(r["max_len"]) == 64 for r in rows)  # the --quick limit: nothing runs out of memory on a CPU
 
 
+def test_bench_fsdp_quick(tmp_path):
+    # one CPU process (FSDP2 over one gloo rank): a full fine-tune with activation checkpointing
+    # under FSDP2's mixed-precision policy, eager and forge patched after fully_shard, same tokens
+    _run("bench_fsdp.py", ["--quick", "--cases", "full", "--checkpointing", "on", "--patch", "after"], tmp_path)
+    rows = _rows(tmp_path, "bench_fsdp")
+    assert [(r["case"], r["checkpointing"], r["variant"]) for r in rows] == [
+        ("full", "on", "eager"), ("full", "on", "forge:triton:after")]
+    assert "'fused_linear_ce': 1" in rows[1]["note"] and "'rmsnorm'" in rows[1]["note"]
+    for key in ("loss_first", "loss_last"):  # the same model, tokens and step: rounding apart
+        assert abs(float(rows[1][key]) - float(rows[0][key])) <= 1e-2 * abs(float(rows[0][key])), rows
+    assert all(float(r["step_ms"]) > 0 for r in rows)
+
+
 def test_device_gaps_charge_idle_time_to_the_launching_ops():
     # a synthetic trace: k2 launched late inside op > mm (its 60 us gap is the host's), k3
     # launched long before the device reached it (a 100 us gap that is not); a 10 us gap and a
