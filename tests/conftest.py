@@ -38,7 +38,7 @@ def pytest_cmdline_main(config):
 CPU_TENSOR_MODULES = ("test_patching.py", "test_lora_patching.py", "test_flce_contract.py",
                       "test_patching_edges.py", "test_fsdp.py", "test_trainer.py",
                       "test_sft_trainer.py", "test_save_reload.py", "test_patching_faithful.py",
-                      "test_moe_models.py")
+                      "test_moe_models.py", "test_stacking.py")
 
 
 def pytest_collection_modifyitems(config, items):

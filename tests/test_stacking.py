@@ -19,6 +19,7 @@ from forge.patching import stacking  # noqa: E402
 from forge.patching.stacking import GATE_UP, QKV  # noqa: E402
 from forge import ops  # noqa: E402
 from oracle import need_backend  # noqa: E402
+from test_decode import fake_graphs  # noqa: E402,F401  (the CUDA graphs' CPU stand-in)
 
 BACKENDS = ops.BACKENDS
 
@@ -165,6 +166,23 @@ def test_greedy_generate_equals_unpatched(stack_on):
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_stacked_weights_keep_the_captured_decoding_path(stack_on, fake_graphs):
+    # the one q/k/v product runs torch's own ops (backend "torch"), which a CUDA graph captures:
+    # the decoding path must not decline the model for it (it did, 2026-12-06 on an H200: the
+    # stacked variant of bench_generate ran uncaptured at a third of the speed)
+    model = _model("llama")
+    ref = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0, graphs=True)
+    assert model._forge_backends["qkv"] == "torch"
+    assert not [w for w in model._forge_graphs.stats.why if "decode" in w], model._forge_graphs.stats.why
+    ids = _ids(model, 2, 5)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    assert model._forge_graphs.stats.decode_captures >= 1, model._forge_graphs.stats
+    assert model._forge_guard_stats.fused("qkv") > 0
 
 
 def test_a_failed_patch_unstacks(stack_on, monkeypatch):

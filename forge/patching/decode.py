@@ -43,6 +43,7 @@ from .. import ops
 from ..ops.gated_mlp import _any_autocast
 from . import decode_loop
 from . import decode_runtime as rt
+from .patcher import TORCH
 
 BUCKET = 256  # static cache lengths are multiples of this
 MAX_CACHES = 4  # static caches kept (one per batch size)
@@ -63,8 +64,10 @@ log = logging.getLogger("forge")
 
 
 def _capturable(backend) -> bool:
-    """Whether a CUDA graph captures ``backend``'s kernels here (the op layer's registry says)."""
-    return backend in ops.BACKENDS and ops.on_stream(backend)[0]
+    """Whether a CUDA graph captures ``backend``'s kernels here (the op layer's registry says).
+    A key that runs torch's own operations (``TORCH``: the one product over q, k and v stored
+    together) is captured like the model's other torch calls."""
+    return backend == TORCH or (backend in ops.BACKENDS and ops.on_stream(backend)[0])
 
 
 def why_not(root, backends) -> str | None:
