@@ -147,7 +147,8 @@ def main(a):
             bc.print_table(rows, COLUMNS)
             out = Path(a.out)
             bc.write_results(out, "bench_fsdp", rows, extra={"args": vars(a), "title": title, "world_size": world},
-                             case=f"{a.model}-{a.batch}x{a.seq_len}-{world}ranks-{a.cases.replace(',', '-')}")
+                             case=(f"{a.model}-{a.batch}x{a.seq_len}-{world}ranks-{a.cases.replace(',', '-')}"
+                                   f"-ckpt-{a.checkpointing.replace(',', '-')}-{a.precision}"))
         dist.barrier()
     finally:
         with contextlib.suppress(Exception):
