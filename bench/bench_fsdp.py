@@ -22,7 +22,6 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,16 +90,10 @@ def run_variant(a, case: str, ckpt: bool, variant: str, device) -> dict:
         g = torch.Generator().manual_seed(1000 * step + rank)  # the same tokens for every variant
         ids = torch.randint(0, vocab, (a.batch, a.seq_len), generator=g).to(device)
         torch.manual_seed(step * world + rank)  # dropout seeded alike
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        mean = loss.detach().float().reshape(1)
-        dist.all_reduce(mean)  # (waits for the step's device work)
+        loss, secs = ex.train_step(model, opt, ids, world)
         if step >= a.warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-        losses.append(mean.item() / world)
+            times.append(secs * 1e3)
+        losses.append(loss)
     mine = [statistics.median(times),
             torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
             torch.cuda.max_memory_reserved(device) / 2**20 if cuda else 0.0]
@@ -117,12 +110,7 @@ def run_variant(a, case: str, ckpt: bool, variant: str, device) -> dict:
 
 def main(a):
     standalone = ex.single_process_env()
-    cuda = not a.quick and torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cpu")
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    device = ex.init_group(a.quick)
     rows = []
     try:
         variants = ["eager"] + [f"forge:{b}:{w}" for b in a.backend.split(",") for w in a.patch.split(",")]

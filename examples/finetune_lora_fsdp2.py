@@ -230,6 +230,30 @@ def full_adapter_state(model) -> dict:
 
 
 # ----------------------------------------------------------------------------------- one mode
+def train_step(model, opt, x, world: int) -> tuple[float, float]:
+    """One AdamW step on tokens ``x`` (labels = inputs): (the loss averaged over the ranks, the
+    step's seconds; the all-reduce of the loss waits for the step's device work)."""
+    t0 = time.perf_counter()
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    mean = loss.detach().float().reshape(1)
+    dist.all_reduce(mean)
+    return mean.item() / world, time.perf_counter() - t0
+
+
+def init_group(quick: bool):
+    """The process group (nccl on CUDA, else gloo) and this rank's device."""
+    cuda = not quick and torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if not cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
+
+
 def train(a, mode, ids, device, out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(a, device, weights_dtype(a, device))
@@ -255,15 +279,9 @@ def train(a, mode, ids, device, out: Path) -> dict:
     for step in range(a.steps):
         torch.manual_seed(a.seed * 100003 + step * world + rank)  # dropout: seeded alike in both modes
         x = batch_at(ids, step, a, rank, world).to(device)
-        t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        mean = loss.detach().float().reshape(1)
-        dist.all_reduce(mean)  # also waits for the step's device work
-        times.append(time.perf_counter() - t0)
-        losses.append(mean.item() / world)
+        loss, secs = train_step(model, opt, x, world)
+        times.append(secs)
+        losses.append(loss)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
@@ -416,12 +434,7 @@ def single_process_env() -> bool:
 
 def main(a):
     a.torchrun = not single_process_env()
-    cuda = not a.quick and torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cpu")
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    device = init_group(a.quick)
     out = Path(a.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
