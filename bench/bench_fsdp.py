@@ -22,6 +22,7 @@ import contextlib
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ import forge  # noqa: E402
 from presets import PRESETS  # noqa: E402
 
 COLUMNS = ["case", "checkpointing", "variant", "step_ms", "speedup", "peak_MiB", "reserved_MiB", "reserved_frac",
-           "loss_first", "loss_last", "note"]
+           "loss_first", "loss_last", "prof_host_op_ms", "prof_device_busy_ms", "fallbacks", "note"]
 
 
 def parse(argv=None):
@@ -51,6 +52,9 @@ def parse(argv=None):
     p.add_argument("--precision", default="mixed", choices=("mixed", "bf16"))
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile two more steps of each variant on rank 0 (torch.profiler): its host op time "
+                        "against the device's busy time, to tell a host-bound step from a device-bound one")
     p.add_argument("--quick", action="store_true", help="tiny preset on the CPU, a few steps")
     bc.add_out_argument(p)
     a = p.parse_args(argv)
@@ -72,28 +76,38 @@ def run_variant(a, case: str, ckpt: bool, variant: str, device) -> dict:
     row = {"case": case, "checkpointing": "on" if ckpt else "off", "variant": variant}
     if variant != "eager":
         _, backend, where = variant.split(":")  # forge:<backend>:<before|after>
+        kw = dict(backend=backend, min_elements=0 if a.quick else None)  # (--quick: tiny calls fused too)
     if variant != "eager" and where == "before":
-        forge.patch(model, backend=backend)
+        forge.patch(model, **kw)
     ex.shard(model, a.precision)
     if variant != "eager" and where == "after":
-        forge.patch(model, backend=backend)
+        forge.patch(model, **kw)
     if variant != "eager":
         row["note"] = f"patched {dict(model._forge_patched_counts)}"
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5 if va.full else 2e-4)
     vocab = model.config.vocab_size
     cuda = device.type == "cuda"
     losses, times = [], []
+
+    def step_(step):
+        g = torch.Generator().manual_seed(1000 * step + rank)  # the same tokens for every variant
+        ids = torch.randint(0, vocab, (a.batch, a.seq_len), generator=g).to(device)
+        torch.manual_seed(step * world + rank)  # dropout seeded alike
+        return ex.train_step(model, opt, ids, world)
+
     for step in range(a.warmup + a.steps):
         if step == a.warmup and cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        g = torch.Generator().manual_seed(1000 * step + rank)  # the same tokens for every variant
-        ids = torch.randint(0, vocab, (a.batch, a.seq_len), generator=g).to(device)
-        torch.manual_seed(step * world + rank)  # dropout seeded alike
-        loss, secs = ex.train_step(model, opt, ids, world)
+        loss, secs = step_(step)
         if step >= a.warmup:
             times.append(secs * 1e3)
         losses.append(loss)
+    if variant != "eager":  # calls that ran the original forward instead of forge's (none expected)
+        st = model._forge_guard_stats.as_dict()
+        row["fallbacks"] = {k: v["fallback"] for k, v in st.items() if v.get("fallback")}
+    if a.profile:
+        row.update(_profiled(lambda s: step_(a.warmup + a.steps + s), rank, cuda))
     mine = [statistics.median(times),
             torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
             torch.cuda.max_memory_reserved(device) / 2**20 if cuda else 0.0]
@@ -106,6 +120,25 @@ def run_variant(a, case: str, ckpt: bool, variant: str, device) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def _profiled(step, rank: int, cuda: bool, steps: int = 2) -> dict:
+    """Two more steps, rank 0 under torch.profiler (the others plainly): host op time and device
+    busy time per step (examples/finetune_lora_fsdp2.py's summary)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) if rank == 0 else contextlib.nullcontext() as prof:
+        for s in range(steps):
+            step(s)
+    wall = (time.perf_counter() - t0) / steps
+    if rank != 0:
+        return {}
+    p = ex.summarize_profile(prof, wall, steps)
+    return {"prof_wall_ms": p["wall_ms_per_step"], "prof_host_op_ms": p["host_op_ms_per_step"],
+            "prof_device_busy_ms": p["compute_busy_ms_per_step"],
+            "prof_nccl_ms": p["device_ms_per_step"]["nccl (all-gather / reduce-scatter)"]}
 
 
 def main(a):

@@ -184,7 +184,8 @@ def test_bench_max_seq_quick(tmp_path):
 def test_bench_fsdp_quick(tmp_path):
     # one CPU process (FSDP2 over one gloo rank): a full fine-tune with activation checkpointing
     # under FSDP2's mixed-precision policy, eager and forge patched after fully_shard, same tokens
-    _run("bench_fsdp.py", ["--quick", "--cases", "full", "--checkpointing", "on", "--patch", "after"], tmp_path)
+    _run("bench_fsdp.py", ["--quick", "--cases", "full", "--checkpointing", "on", "--patch", "after", "--profile"],
+         tmp_path)
     rows = _rows(tmp_path, "bench_fsdp")
     assert [(r["case"], r["checkpointing"], r["variant"]) for r in rows] == [
         ("full", "on", "eager"), ("full", "on", "forge:triton:after")]
@@ -192,6 +193,8 @@ def test_bench_fsdp_quick(tmp_path):
     for key in ("loss_first", "loss_last"):  # the same model, tokens and step: rounding apart
         assert abs(float(rows[1][key]) - float(rows[0][key])) <= 1e-2 * abs(float(rows[0][key])), rows
     assert all(float(r["step_ms"]) > 0 for r in rows)
+    assert rows[1]["fallbacks"] == "{}", rows[1]  # every forge call fused under FSDP2
+    assert all(float(r["prof_host_op_ms"]) > 0 for r in rows), rows  # (--profile: rank 0's host time)
 
 
 def test_device_gaps_charge_idle_time_to_the_launching_ops():
