@@ -22,7 +22,6 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +106,7 @@ def run_variant(a, case: str, ckpt: bool, variant: str, device) -> dict:
         st = model._forge_guard_stats.as_dict()
         row["fallbacks"] = {k: v["fallback"] for k, v in st.items() if v.get("fallback")}
     if a.profile:
-        row.update(_profiled(lambda s: step_(a.warmup + a.steps + s), rank, cuda))
+        row.update(_profiled(lambda s: step_(a.warmup + a.steps + s), device))
     mine = [statistics.median(times),
             torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
             torch.cuda.max_memory_reserved(device) / 2**20 if cuda else 0.0]
@@ -122,20 +121,11 @@ def run_variant(a, case: str, ckpt: bool, variant: str, device) -> dict:
     return row
 
 
-def _profiled(step, rank: int, cuda: bool, steps: int = 2) -> dict:
-    """Two more steps, rank 0 under torch.profiler (the others plainly): host op time and device
-    busy time per step (examples/finetune_lora_fsdp2.py's summary)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    t0 = time.perf_counter()
-    with profile(activities=acts) if rank == 0 else contextlib.nullcontext() as prof:
-        for s in range(steps):
-            step(s)
-    wall = (time.perf_counter() - t0) / steps
-    if rank != 0:
+def _profiled(step, device) -> dict:
+    """Two more steps, rank 0 under torch.profiler: host op time and device busy time per step."""
+    p = ex.profile_steps(step, device, steps=2)
+    if p is None:
         return {}
-    p = ex.summarize_profile(prof, wall, steps)
     return {"prof_wall_ms": p["wall_ms_per_step"], "prof_host_op_ms": p["host_op_ms_per_step"],
             "prof_device_busy_ms": p["compute_busy_ms_per_step"],
             "prof_nccl_ms": p["device_ms_per_step"]["nccl (all-gather / reduce-scatter)"]}

@@ -287,7 +287,10 @@ def train(a, mode, ids, device, out: Path) -> dict:
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
     if bar is not None:
         bar.close()
-    prof = profile_steps(a, model, opt, ids, device) if a.profile else None
+    prof = None
+    if a.profile:  # a few more steps, past the trained ones
+        prof = profile_steps(lambda s: train_step(model, opt, batch_at(ids, a.steps + s, a, rank, world).to(device),
+                                                  world), device)
     steady = times[min(5, len(times) - 1):]  # the first steps compile and warm up
     step_s = statistics.median(steady)
     mine = {"tokens_per_s": a.batch * a.seq_len / step_s, "step_ms_median": 1e3 * step_s,
@@ -308,20 +311,18 @@ def train(a, mode, ids, device, out: Path) -> dict:
             "profile": prof}
 
 
-def profile_steps(a, model, opt, ids, device, steps=3) -> dict | None:
-    """A few more steps, traced by torch.profiler on rank 0 (the other ranks run them plainly)."""
+def profile_steps(step, device, steps=3) -> dict | None:
+    """``step(s)`` for s in range(steps), traced by torch.profiler on rank 0 (the other ranks run
+    them plainly): rank 0's :func:`summarize_profile`, None on the others."""
     from torch.profiler import ProfilerActivity, profile
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     ctx = profile(activities=acts) if rank == 0 else contextlib.nullcontext()
     t0 = time.perf_counter()
     with ctx as prof:
         for s in range(steps):
-            x = batch_at(ids, a.steps + s, a, rank, world).to(device)
-            model(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            step(s)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     wall = (time.perf_counter() - t0) / steps

@@ -66,6 +66,12 @@ def _plain_linear(m, dtype) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
 
 
+def _bare_calls_ok() -> bool:
+    """Whether the projections may run as bare F.linear calls instead of module calls: no
+    autocast (a module call would cast) and no global module hooks (they would not run)."""
+    return not (_any_autocast() or _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks)
+
+
 def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, recompute=False, defer=False,
                 stack=False):
     """``mlp``: the gated MLP (forge.spec.gated_mlp): in train mode one autograd node under
@@ -97,8 +103,7 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
                 return _traced_glu(self, x, orig)
             gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
             if (mlp is not None and (train or not torch.is_grad_enabled()) and _plain_linear(gp, x.dtype)
-                    and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype) and not _any_autocast()
-                    and not (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks)):
+                    and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype) and _bare_calls_ok()):
                 return mlp(x, gp.weight, up.weight, dp.weight, act=act, recompute=recompute)
             return dp(kernel(gp(x), up(x)))
         if not _compiling():
@@ -113,8 +118,7 @@ def _stacked_glu(mlp, x, kernel):
     """down(act(gate(x)) * up(x)) with gate and up read by one product over their weights stored
     together, else None (not stacked, biases, a gradient wanted, autocast, hooks)."""
     wb, dp = stacking.weights(mlp, stacking.GATE_UP, x), mlp._modules["down_proj"]
-    if (wb is None or wb[1] is not None or not _plain_linear(dp, x.dtype) or _any_autocast()
-            or _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks):
+    if wb is None or wb[1] is not None or not _plain_linear(dp, x.dtype) or not _bare_calls_ok():
         return None
     g, u = F.linear(x, wb[0]).split(mlp._modules["gate_proj"].weight.shape[0], dim=-1)
     return F.linear(kernel(g, u), dp.weight)
