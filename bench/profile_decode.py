@@ -1,7 +1,7 @@
 """Where a decoding step's device time goes: forge with graphs (captured steps on forge's static
 cache) against transformers' static cache + torch.compile, per kernel, from torch's profiler.
 
-    python bench/profile_decode.py [--batches 8,32] [--prompt 128] [--new 64] [--top 15]
+    python bench/profile_decode.py [--batches 8,32] [--prompt 128] [--new 64] [--top 15] [--variants ...]
 
 For each batch size and variant: one warm generate() call, then one profiled call; prints the
 kernels with the most device time (us per decoding step) and the step's total kernel time and
@@ -21,8 +21,11 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import forge  # noqa: E402
+from forge.patching import stacking  # noqa: E402
 from bench_generate import _forget_compiled  # noqa: E402
 from presets import PRESETS, build  # noqa: E402
+
+STACK_DEFAULT = stacking.STACK_INFER
 
 
 def _kernels(prof):
@@ -35,6 +38,9 @@ def _kernels(prof):
     return acc, n
 
 
+VARIANTS = ("forge graphs", "forge graphs stacked", "static + compile", "forge static uncaptured")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
@@ -42,16 +48,22 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)} ('stacked': STACK_INFER on)")
     a = p.parse_args(argv)
     model = build(a.model, torch.bfloat16, torch.device("cuda")).eval()
     vocab = PRESETS[a.model]["vocab_size"]
     for b in map(int, a.batches.split(",")):
         ids = torch.randint(0, vocab, (b, a.prompt), device="cuda")
-        for variant in ("forge graphs", "static + compile", "forge static uncaptured"):
+        for variant in a.variants.split(","):
+            if variant not in VARIANTS:
+                p.error(f"--variants: {variant!r} is none of {VARIANTS}")
             _forget_compiled(model)
             kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=a.new, min_new_tokens=a.new)
-            if variant == "forge graphs":
+            if variant.startswith("forge graphs"):
+                stacking.STACK_INFER = variant.endswith("stacked")
                 forge.patch(model, mode="infer", backend="triton", graphs=True)
+                stacking.STACK_INFER = STACK_DEFAULT
             else:
                 kw["cache_implementation"] = "static"
             if variant == "forge static uncaptured":  # the same kernels, attributed to torch ops
@@ -73,7 +85,7 @@ def main(argv=None):
                   f"({total / steps:.0f} us/step incl. prefill)")
             for name, us in acc.most_common(a.top):
                 print(f"  {us / steps:9.1f} us/step  {n[name] / steps:6.1f} calls/step  {name[:110]}")
-            if variant == "forge graphs":
+            if variant.startswith("forge graphs"):
                 print("  stats:", model._forge_graphs.stats.as_dict())
             if variant == "forge static uncaptured":
                 print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=a.top))

@@ -60,6 +60,7 @@ def test_stacked_steps_equal_the_separate_products(model_type, backend, monkeypa
     model = _model(model_type)
     ref = copy.deepcopy(model)
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    monkeypatch.setattr(stacking, "STACK_INFER", False)
     forge.patch(ref, mode="infer", backend=backend, kernels=KERNELS, min_elements=0)  # the same kernels, apart
     monkeypatch.setattr(stacking, "STACK_INFER", True)
     forge.patch(model, mode="infer", backend=backend, kernels=KERNELS, min_elements=0)
@@ -84,8 +85,16 @@ def test_stacked_steps_equal_the_separate_products(model_type, backend, monkeypa
         assert p is before[n][0] and torch.equal(p, before[n][1]) and _own_memory(p), n
 
 
-def test_off_by_default_nothing_moves():
-    assert stacking.STACK_INFER is False
+def test_on_by_default():
+    model = _model()
+    forge.patch(model, mode="infer", min_elements=0)
+    assert model._forge_patched_counts.get("qkv") == model.config.num_hidden_layers
+    for parent, names in _groups(model):
+        assert stacking.stacked([parent._modules[n].weight for n in names]) is not None, names
+
+
+def test_switched_off_nothing_moves(monkeypatch):
+    monkeypatch.setattr(stacking, "STACK_INFER", False)
     model = _model()
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     forge.patch(model, mode="infer", min_elements=0)
@@ -104,6 +113,7 @@ def test_gradients_and_moved_weights_run_the_separate_products(monkeypatch):
     model = _model()
     ref = copy.deepcopy(model)
     kw = dict(mode="infer", backend="triton", kernels=KERNELS, min_elements=0)  # (triton: float64 below)
+    monkeypatch.setattr(stacking, "STACK_INFER", False)
     forge.patch(ref, **kw)  # the same kernels, weights apart
     monkeypatch.setattr(stacking, "STACK_INFER", True)
     forge.patch(model, **kw)
@@ -123,6 +133,25 @@ def test_gradients_and_moved_weights_run_the_separate_products(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)  # the same products
     assert st.fused("qkv") == 0
+    forge.unpatch(model)
+
+
+def test_a_pre_hook_on_a_projection_keeps_its_own_product(stack_on):
+    # a forward pre-hook may change the input its projection is called with: that projection's
+    # group runs the separate products, and the hook's change shows in the logits
+    model = _model()
+    ref = copy.deepcopy(model)
+    forge.patch(model, mode="infer", backend="triton", kernels=KERNELS, min_elements=0)
+    attn = model.model.layers[0].self_attn
+    hook = attn.k_proj.register_forward_pre_hook(lambda m, args: (args[0] * 2.0,))
+    ref.model.layers[0].self_attn.k_proj.register_forward_pre_hook(lambda m, args: (args[0] * 2.0,))
+    ids = _ids(model, 2, 1)
+    st = model._forge_guard_stats
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    assert st.fallback("qkv") == 1 and st.fused("qkv") == model.config.num_hidden_layers - 1, st.as_dict()
+    hook.remove()
     forge.unpatch(model)
 
 
