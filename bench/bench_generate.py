@@ -56,9 +56,9 @@ VARIANTS = ("eager", "forge", "forge graphs", "forge graphs loop", "static + com
 # "forge graphs loop": the same with the device loop on (forge/patching/decode_loop.py)
 # diagnostic, by --variants only: forge graphs with SDPA in the decoding steps in place of the
 # backend's decoding attention kernel (what the kernel is worth, side by side)
-EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs", "forge graphs stacked")
+EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs", "forge graphs apart")
 # (the second: the Pallas backend, min_elements=0; the third: forge graphs loop with q/k/v and
-# gate/up weights stored together, forge.patching.stacking.STACK_INFER)
+# gate/up weights each in their own memory, forge.patching.stacking.STACK_INFER off)
 COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ms_token", "ttft_ms", "ttft_eager_ms", "total_s",
            "first_s", "first_extra_s", "peak_MiB", "pool_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
 
@@ -92,14 +92,14 @@ def _setup(model, variant, quick):
         forge.patch(model, mode="infer", backend="triton", kernels=kernels)
     elif variant == "forge pallas graphs":
         forge.patch(model, mode="infer", backend="pallas", kernels=kernels, graphs=True, min_elements=0)
-    elif variant == "forge graphs stacked":
+    elif variant == "forge graphs apart":
         from forge.patching import stacking
 
-        stacking.STACK_INFER = True  # read at patch time only
+        was, stacking.STACK_INFER = stacking.STACK_INFER, False  # read at patch time only
         try:
             forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
         finally:
-            stacking.STACK_INFER = False
+            stacking.STACK_INFER = was
     elif variant in ("forge graphs", "forge graphs sdpa", "forge graphs loop"):
         forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
         model._forge_graphs.decode.device_loop = variant == "forge graphs loop"

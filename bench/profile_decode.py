@@ -38,7 +38,7 @@ def _kernels(prof):
     return acc, n
 
 
-VARIANTS = ("forge graphs", "forge graphs stacked", "static + compile", "forge static uncaptured")
+VARIANTS = ("forge graphs", "forge graphs apart", "static + compile", "forge static uncaptured")
 
 
 def main(argv=None):
@@ -49,7 +49,7 @@ def main(argv=None):
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, of {', '.join(VARIANTS)} ('stacked': STACK_INFER on)")
+                   help=f"comma-separated, of {', '.join(VARIANTS)} ('apart': STACK_INFER off)")
     a = p.parse_args(argv)
     model = build(a.model, torch.bfloat16, torch.device("cuda")).eval()
     vocab = PRESETS[a.model]["vocab_size"]
@@ -61,7 +61,7 @@ def main(argv=None):
             _forget_compiled(model)
             kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=a.new, min_new_tokens=a.new)
             if variant.startswith("forge graphs"):
-                stacking.STACK_INFER = variant.endswith("stacked")
+                stacking.STACK_INFER = STACK_DEFAULT and not variant.endswith("apart")
                 forge.patch(model, mode="infer", backend="triton", graphs=True)
                 stacking.STACK_INFER = STACK_DEFAULT
             else:

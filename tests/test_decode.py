@@ -215,6 +215,30 @@ def test_unpadded_prompt_runs_into_a_dynamic_cache(batch, fake_graphs, monkeypat
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter; on a CUDA "
                     "machine the gpu-marked cases run the compiled kernels inside real graphs")
+def test_one_token_update_writes_as_the_static_layer(monkeypatch):
+    # forge's caches take decode_runtime.one_token_update: the same keys, values and counter as
+    # transformers' StaticLayer.update, one token at a time, with no arange for the index;
+    # several tokens at once run the class's own update
+    from transformers.cache_utils import StaticLayer
+
+    g = torch.Generator().manual_seed(3)
+    ref, ours = StaticLayer(max_cache_len=12), StaticLayer(max_cache_len=12)
+    ours.update = decode_runtime.one_token_update.__get__(ours)
+    kv = [(torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)) for n in (5, 1, 1, 1, 2, 1)]
+    aranges = []
+    real_arange = torch.arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: aranges.append(a) or real_arange(*a, **k))
+    for k, v in kv:
+        before = len(aranges)
+        want, got = ref.update(k, v), ours.update(k, v)
+        if k.shape[-2] == 1:
+            assert len(aranges) == before + 1  # the reference's, none of ours
+        for w, o in zip(want, got):
+            assert torch.equal(w, o)
+        assert int(ours.cumulative_length) == int(ref.cumulative_length)
+    assert int(ours.cumulative_length) == 11
+
+
 def test_forge_kernels_run_inside_the_captured_step(fake_graphs, monkeypatch):
     import forge_triton
 

@@ -19,6 +19,7 @@ from oracle import assert_step_close  # noqa: E402
 from forge.__main__ import build_model  # noqa: E402
 from forge.patching import guard  # noqa: E402
 from forge.patching import qkv as qkv_mod  # noqa: E402
+from forge.patching import stacking  # noqa: E402
 
 ARCHS = ["qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2"]
 
@@ -114,7 +115,10 @@ def test_calls_that_do_not_fit_run_the_three_products(capturing):
 def test_declines_with_reasons(monkeypatch):
     model = _model()
     n = model.config.num_hidden_layers
-    # without graphs, in inference, or with a list that leaves it out: the projections keep theirs
+    # without graphs, in inference with the weights not stored together (stacking's switch off;
+    # on, inference reads them stored together: tests/test_stacking.py), or with a list that
+    # leaves it out: the projections keep theirs
+    monkeypatch.setattr(stacking, "STACK_INFER", False)
     for kw in ({}, {"mode": "infer", "graphs": True}, {"kernels": ["rmsnorm"], "graphs": True}):
         forge.patch(model, **{"kernels": ["qkv"], **kw})
         assert "qkv" not in model._forge_patched_counts, kw

@@ -93,6 +93,41 @@ def test_on_by_default():
         assert stacking.stacked([parent._modules[n].weight for n in names]) is not None, names
 
 
+def test_a_guard_that_never_fuses_keeps_the_kernel_out(stack_on):
+    # a GLU threshold of forge.NEVER: weights stored together are read as one only in calls the
+    # guard fuses, so a decoding-sized call runs the module's own code, counted as a fallback
+    model = _model("llama")
+    ref = copy.deepcopy(model)
+    forge.patch(model, mode="infer", backend="triton", kernels=["swiglu"], min_elements={"swiglu": forge.NEVER})
+    for mlp in (m for m in model.modules() if hasattr(m, "gate_proj")):
+        assert stacking.stacked([mlp.gate_proj.weight, mlp.up_proj.weight]) is not None
+    ids = _ids(model, 2, 1)
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    st = model._forge_guard_stats
+    assert st.fused("swiglu") == 0 and st.fallback("swiglu") == model.config.num_hidden_layers, st.as_dict()
+
+
+def test_min_elements_never_stacks_nothing(stack_on):
+    # min_elements=forge.NEVER asks for the model's own code on every call: no weights move
+    model = _model()
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    forge.patch(model, mode="infer", min_elements=forge.NEVER)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    assert "qkv" not in model._forge_patched_counts and "NEVER" in model._forge_skipped["qkv"]
+
+
+def test_stacking_alone_with_graphs(stack_on):
+    # kernels=["qkv"] in inference with graphs: the only "kernel" is torch's own product; the
+    # decoding path attends with SDPA (no backend's attention kernel to pick) and patching works
+    model = _model()
+    forge.patch(model, mode="infer", kernels=["qkv"], graphs=True)
+    assert model._forge_patched_counts["qkv"] == model.config.num_hidden_layers
+    assert model._forge_graphs.decode.attends == "sdpa"
+    forge.unpatch(model)
+
+
 def test_switched_off_nothing_moves(monkeypatch):
     monkeypatch.setattr(stacking, "STACK_INFER", False)
     model = _model()

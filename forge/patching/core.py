@@ -353,7 +353,7 @@ def _glu_modules(p, key, mlps):
         if p.is_replaced(mod) or not all(isinstance(getattr(mod, n, None), nn.Module) for n in _arch.MLP_PROJ):
             continue
         width = getattr(mod.gate_proj, "out_features", None) or mod.intermediate_size
-        stack = p.mode == "infer" and _stacking.stack([mod], _stacking.GATE_UP, p.undo)
+        stack = p.mode == "infer" and not p.never_fuses() and _stacking.stack([mod], _stacking.GATE_UP, p.undo)
         fwd = fw.glu_forward(kernel, mlp, p.mode == "train", act, type(mod._modules["act_fn"]), type(mod).forward,
                              width, thr, ks, p.recompute_mlp, defer=p.defers(key), stack=stack)
         p.replace_forward(mod, key, types.MethodType(fwd, mod))

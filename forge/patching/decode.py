@@ -139,8 +139,9 @@ def _attention(backends):
     backend has none: then the decoding steps use SDPA."""
     from ..errors import BackendUnavailableError
 
-    backend = backends.get("rope") or next(iter(backends.values()), None)
-    if backend is None:
+    kernels = [b for b in backends.values() if b in ops.BACKENDS]  # (not "torch": the q/k/v fusion's own ops)
+    backend = backends.get("rope") or next(iter(kernels), None)
+    if backend not in ops.BACKENDS:
         return None, "sdpa"
     try:
         return ops.get("decode_attention", backend), backend

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import types
 import warnings
 
 import torch
@@ -278,12 +279,31 @@ class MaskForm:
         return MaskForm(mask.dtype, None)
 
 
+def one_token_update(self, key_states, value_states, *args, **kwargs):
+    """``StaticLayer.update`` of forge's caches, for one new token per sequence: the token's
+    index is the layer's position counter itself (a view), so a step writes the keys and values
+    and advances the counter with no ``arange`` and no addition to make the index (two kernels a
+    layer and step fewer). Any other call runs the class's own update."""
+    n = getattr(self, "cumulative_length", None)
+    if (key_states.shape[-2] != 1 or not self.is_initialized or not isinstance(n, torch.Tensor) or n.dim() != 0
+            or n.device != self.keys.device):
+        return type(self).update(self, key_states, value_states, *args, **kwargs)
+    idx = n.view(1)
+    self.keys.index_copy_(2, idx, key_states)
+    self.values.index_copy_(2, idx, value_states)
+    n.add_(1)  # (after the copies, which read the index on the same stream)
+    return self.keys, self.values
+
+
 class CachedSteps:
     """The captured decoding steps on one static cache (one batch size, one capacity)."""
 
     def __init__(self, cache, batch: int, capacity: int, attention=None, head=None):
         from transformers.cache_utils import StaticLayer
 
+        for ly in cache.layers:  # (forge's own cache: its full-attention layers take the one-token update)
+            if type(ly) is StaticLayer:
+                ly.update = types.MethodType(one_token_update, ly)
         self.cache, self.batch, self.capacity = cache, batch, capacity
         self.attention = attention  # the decoding attention kernel (forge.spec.decode_attention), or None: SDPA
         self.head = head  # the model's LM head (logits_outside_pool), or None

@@ -90,8 +90,9 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
             if not _compiling():
                 ks.fallback += 1
             return orig(self, x)
-        if stack and x.numel() // x.shape[-1] <= stacking.GLU_ROWS and not _compiling():
-            y = _stacked_glu(self, x, kernel)  # (a decoding step: below any threshold, yet one product less)
+        if (stack and x.numel() // x.shape[-1] <= stacking.GLU_ROWS and not _compiling()
+                and (x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on)):
+            y = _stacked_glu(self, x, kernel)  # (a decoding step the guard fuses: one product less too)
             if y is not None:
                 ks.fused += 1
                 return y
@@ -117,8 +118,12 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
 def _stacked_glu(mlp, x, kernel):
     """down(act(gate(x)) * up(x)) with gate and up read by one product over their weights stored
     together, else None (not stacked, biases, a gradient wanted, autocast, hooks)."""
-    wb, dp = stacking.weights(mlp, stacking.GATE_UP, x), mlp._modules["down_proj"]
-    if wb is None or wb[1] is not None or not _plain_linear(dp, x.dtype) or not _bare_calls_ok():
+    gp, up, dp = (mlp._modules[n] for n in ("gate_proj", "up_proj", "down_proj"))
+    if not (_plain_linear(gp, x.dtype) and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype)
+            and _bare_calls_ok()):
+        return None  # (hooks or a forward set on a projection: its module call runs)
+    wb = stacking.weights(mlp, stacking.GATE_UP, x)
+    if wb is None or wb[1] is not None:
         return None
     g, u = F.linear(x, wb[0]).split(mlp._modules["gate_proj"].weight.shape[0], dim=-1)
     return F.linear(kernel(g, u), dp.weight)

@@ -114,6 +114,11 @@ class Patcher:
             d = d.get(self.mode, 0)  # per-mode defaults
         return int(d.get(key, 0) if isinstance(d, dict) else d)
 
+    def never_fuses(self) -> bool:
+        """forge.patch(min_elements=forge.NEVER): every call is to run the model's own code, so
+        nothing outside the guard (the weights stored together of forge.patching.stacking) applies."""
+        return isinstance(self._min_req, int) and self._min_req >= defaults.NEVER
+
     def min_elements_given(self, key: str) -> bool:
         """forge.patch(min_elements=...) set the threshold of ``key`` (else a default)."""
         return isinstance(self._min_req, int) or (isinstance(self._min_req, dict) and key in self._min_req)

@@ -44,6 +44,7 @@ cuBLAS may pick another kernel for the wider product, so the last bits may diffe
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -131,7 +132,10 @@ def apply(p, attns) -> None:
     if not p.wants(KEY) or not attns:
         return
     if p.mode == "infer":
-        if stacking.STACK_INFER:
+        if stacking.STACK_INFER and p.never_fuses():
+            p.skip(KEY, "min_elements=forge.NEVER: every call runs the model's own products (no weights stored "
+                        "together)", applies=False)
+        elif stacking.STACK_INFER:
             _apply_stacked(p, attns)
         else:
             p.skip(KEY, "mode='infer': most of what the one product saves is in the backward (weights stored "
@@ -161,11 +165,12 @@ def apply(p, attns) -> None:
         p.skip(KEY, f"{len(why)} of {len(free)} attention modules run three products: {why[0]}", applies=False)
 
 
-def _stacked(attn, x, args, kwargs):
+def _stacked(attn, x, args, kwargs, threshold=0):
     """(q, k, v) from one product over the weights stored together (forge.patching.stacking), else
     None. Inference only; k and v are views of the product (the cache update and attention read
-    strided rows as they do a transposed projection)."""
-    if args or kwargs or _compiling():
+    strided rows as they do a transposed projection). Only in calls the guard fuses: x of at
+    least ``threshold`` elements (RoPE's, the kernel of the same attention call), or captured."""
+    if args or kwargs or _compiling() or (x.numel() < threshold and not CAPTURE.on):
         return None
     wb = stacking.weights(attn, QKV, x)
     if wb is None:
@@ -183,7 +188,9 @@ def _apply_stacked(p, attns) -> None:
         p.skip(KEY, "no attention module's q/k/v projections are plain nn.Linear of one dtype and device",
                applies=False)
         return
-    _install(p, fit, _stacked)
+    # (RoPE's threshold where forge patched RoPE, else none: the fusion was asked for alone)
+    thr = p.min_elements("rope") if "rope" in p.counts else 0
+    _install(p, fit, functools.partial(_stacked, threshold=thr))
 
 
 def _free(attns):

@@ -20,7 +20,8 @@ model's parameters are as they were; the Parameter objects never change. transfo
 
 On by default (``STACK_INFER = True``): at the Llama-3-8B shape a decoding step with the weights
 stored together was 7% faster at batch 1 and 4% at batch 8 than with them apart (docs/generate.md
-has the run). ``STACK_INFER = False`` before ``forge.patch`` leaves every weight where it is.
+has the run). ``STACK_INFER = False`` before ``forge.patch`` leaves every weight where it is, and so does
+``forge.patch(min_elements=forge.NEVER)`` (every call the model's own code, bit for bit).
 """
 from __future__ import annotations
 
