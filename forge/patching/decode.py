@@ -139,9 +139,9 @@ def _attention(backends):
     backend has none: then the decoding steps use SDPA."""
     from ..errors import BackendUnavailableError
 
-    kernels = [b for b in backends.values() if b in ops.BACKENDS]  # (not "torch": the q/k/v fusion's own ops)
-    backend = backends.get("rope") or next(iter(kernels), None)
-    if backend not in ops.BACKENDS:
+    kernels = (b for b in backends.values() if b != TORCH)  # (TORCH: the q/k/v product stored together)
+    backend = backends.get("rope") or next(kernels, None)
+    if backend is None:
         return None, "sdpa"
     try:
         return ops.get("decode_attention", backend), backend

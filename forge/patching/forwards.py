@@ -90,14 +90,14 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
             if not _compiling():
                 ks.fallback += 1
             return orig(self, x)
-        if (stack and x.numel() // x.shape[-1] <= stacking.GLU_ROWS and not _compiling()
-                and (x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on)):
+        rows = x.numel() // x.shape[-1]
+        fuse = rows * width >= threshold or CAPTURE.on  # activation elements: rows x intermediate width
+        if stack and fuse and rows <= stacking.GLU_ROWS and not _compiling():
             y = _stacked_glu(self, x, kernel)  # (a decoding step the guard fuses: one product less too)
             if y is not None:
                 ks.fused += 1
                 return y
-        # activation elements of the fused call: rows x intermediate width
-        if x.numel() // x.shape[-1] * width >= threshold or CAPTURE.on:
+        if fuse:
             if not _compiling():
                 ks.fused += 1
             elif defer:
