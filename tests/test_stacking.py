@@ -128,6 +128,23 @@ def test_stacking_alone_with_graphs(stack_on):
     forge.unpatch(model)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_weights_under_autocast(backend, stack_on):
+    # float32 parameters under torch.autocast (bf16): the product over the weights stored
+    # together is cast as the three module calls are; logits as the unpatched model's under
+    # the same autocast, within bf16's rounding
+    need_backend(backend)
+    model = _model("llama")
+    ref = copy.deepcopy(model)
+    forge.patch(model, mode="infer", backend=backend, kernels=KERNELS, min_elements=0)
+    ids = _ids(model, 2, 1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(ids).logits, ref(ids).logits
+    assert model._forge_guard_stats.fused("qkv") == model.config.num_hidden_layers
+    eps = torch.finfo(torch.bfloat16).eps  # (one rounding of bf16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps * want.float().abs().max().item())
+
+
 def test_switched_off_nothing_moves(monkeypatch):
     monkeypatch.setattr(stacking, "STACK_INFER", False)
     model = _model()
