@@ -5,9 +5,10 @@ between the last length that fit and the first that did not, to --granularity to
 
     python bench/bench_max_seq.py --model llama3-8b [--lora R,ALPHA,DROPOUT] [--backend triton]
                                   [--checkpointing both|on|off] [--limit 262144] [--upto-ratio 4]
-                                  [--quick]
+                                  [--recompute-mlp | --recompute-only] [--quick]
 
-A length at --limit (or at --upto-ratio times eager's) is reported as reached, not as the maximum. On a CPU (--quick) nothing
+A length at --limit (or at --upto-ratio times eager's, which forge then probes first) is reported
+as reached, not as the maximum. On a CPU (--quick) nothing
 runs out of memory: the search only shows that every step runs.
 """
 from __future__ import annotations
@@ -59,11 +60,17 @@ def _step(model, length, device):
     return ms, peak
 
 
-def longest(model, a, device, limit=None):
+def longest(model, a, device, limit=None, cap_first=False):
     """(longest length that trained, (ms, MiB) of its step, whether ``limit`` (default --limit)
-    was reached, probes)."""
+    was reached, probes). ``cap_first``: probe ``limit`` itself first (one step answers a bar's
+    question when it fits; the doubling search follows when it does not)."""
     limit = limit or a.limit
     ok, ok_stats, bad, probes = 0, None, None, 0
+    if cap_first:
+        probes += 1
+        r = _step(model, limit, device)
+        if r is not None:
+            return limit, r, True, probes
     n = a.start
     while n <= limit:  # doubling until a step fails
         probes += 1
@@ -108,6 +115,8 @@ def main(argv=None):
     ap.add_argument("--recompute-mlp", action="store_true",
                     help="also forge.patch(recompute_mlp=True): the gated MLP (or the fused LoRA MLP) keeps only "
                          "its input for the backward, two products more per layer")
+    ap.add_argument("--recompute-only", action="store_true",
+                    help="forge with recompute_mlp only (not plain forge.patch too)")
     ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU: a smoke test")
     bc.add_out_argument(ap)
     a = ap.parse_args(argv)
@@ -130,14 +139,15 @@ def main(argv=None):
         else:
             model.gradient_checkpointing_disable()
         model.train()
-        variants = ["eager", f"forge {a.backend}"] + ([f"forge {a.backend} recompute_mlp"] if a.recompute_mlp else [])
+        variants = ["eager"] + ([] if a.recompute_only else [f"forge {a.backend}"]) + (
+            [f"forge {a.backend} recompute_mlp"] if a.recompute_mlp or a.recompute_only else [])
         for variant in variants:
             if variant != "eager":
                 forge.patch(model, backend=a.backend, recompute_mlp=variant.endswith("recompute_mlp"))
             cap = None
             if variant != "eager" and a.upto_ratio and eager_len.get(ckpt):
                 cap = min(a.limit, max(a.start, int(a.upto_ratio * eager_len[ckpt]) // a.granularity * a.granularity))
-            n, stats, reached, probes = longest(model, a, device, cap)
+            n, stats, reached, probes = longest(model, a, device, cap, cap_first=cap is not None)
             if variant != "eager":
                 forge.unpatch(model)
             _free()
@@ -153,7 +163,7 @@ def main(argv=None):
     what = "full fine-tune" if a.full else f"LoRA {a.lora}"
     print(f"{a.model}, {what}, batch 1: the longest sequence a training step fits")
     bc.print_table(rows, COLUMNS)
-    case = f"{a.model}-{'full' if a.full else 'lora'}-{a.backend}"
+    case = f"{a.model}-{'full' if a.full else 'lora'}-{a.backend}-ckpt-{a.checkpointing}"
     bc.write_results(a.out, "bench_max_seq", rows, extra={"args": {k: str(v) for k, v in vars(a).items()}}, case=case)
 
 

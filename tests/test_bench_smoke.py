@@ -171,6 +171,11 @@ def test_max_seq_search_doubles_bisects_and_stops_at_its_cap(monkeypatch):
     tried.clear()
     n, _, reached, probes = bms.longest(None, a, "cpu", limit=12288)  # a cap below the failure
     assert reached and n == 12288 and tried == [4096, 8192, 12288]
+    tried.clear()  # the cap probed first: one step answers when it fits, the search follows when not
+    assert bms.longest(None, a, "cpu", limit=12288, cap_first=True)[::2] == (12288, True) and tried == [12288]
+    tried.clear()
+    n, _, reached, _ = bms.longest(None, a, "cpu", limit=32768, cap_first=True)
+    assert not reached and fits - 1024 < n <= fits and tried[:3] == [32768, 4096, 8192]
 
 
 def test_bench_max_seq_quick(tmp_path):

@@ -502,6 +502,49 @@ def test_recompute_mlp_reaches_the_lora_mlp(backend, device):
     assert torch.equal(again[0], plain[0]) and all(torch.equal(again[1][n], plain[1][n]) for n in plain[1])
 
 
+@pytest.mark.parametrize("backend", ["triton", pytest.param("triton", marks=pytest.mark.gpu, id="triton-gpu"),
+                                     pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_long_mlp_calls_run_in_row_blocks(backend, recompute, device, monkeypatch):
+    # a fused MLP call over more than CHUNK_ELEMENTS (rows x intermediate) runs as calls over row
+    # blocks (the backward's (rows, intermediate) buffers exist for one block at a time): the
+    # step meets the oracle against float64, each block draws its own dropout seed, and the step
+    # equals the uncut one within fp32 rounding when dropout is off
+    from forge.patching import lora as patch_lora
+
+    need(backend)
+    pm = lora_model("llama", device, lora_dropout=0.1).eval()  # (eval: dropout off until the end)
+    ids = batch(pm, device, s=9)  # 18 rows: blocks of 4, 4, 4, 4, 2
+    ref = step(copy.deepcopy(pm).double(), ids)
+    eager = step(pm, ids)
+    forge.patch(pm, backend=backend, kernels=LORA, recompute_mlp=recompute)
+    whole = step(pm, ids)
+    inter = pm.config.intermediate_size
+    monkeypatch.setattr(patch_lora, "CHUNK_ELEMENTS", 5 * inter)
+    monkeypatch.setattr(patch_lora, "ROW_ALIGN", 2)
+    assert patch_lora.row_blocks(ids.numel(), inter) == [4, 4, 4, 4, 2]
+    n = pm.config.num_hidden_layers
+    calls = []
+    real = patch_lora._mlp_spec.PROJ  # the blocks' calls, counted through the dropout helper
+    monkeypatch.setattr(patch_lora, "_dropout", lambda x, names, ps: calls.append(names) or {})
+    cut = step(pm, ids)
+    assert calls.count(real) == 5 * n and pm._forge_guard_stats.fused("lora_mlp") >= n
+    assert_like_eager(cut, eager, ref, pm, ids)
+    assert tolerance.rel_err(cut[0], whole[0]) <= 1e-6
+    for name in whole[1]:
+        assert tolerance.rel_err(cut[1][name], whole[1][name]) <= 1e-5, name
+    # with dropout, a fresh seed per block: the blocks' masks are independent
+    monkeypatch.undo()
+    monkeypatch.setattr(patch_lora, "CHUNK_ELEMENTS", 5 * inter)
+    monkeypatch.setattr(patch_lora, "ROW_ALIGN", 2)
+    seeds = []
+    draw = forge_lora_dropout.seed
+    monkeypatch.setattr(forge_lora_dropout, "seed", lambda dev: seeds.append(draw(dev)) or seeds[-1])
+    step(pm.train(), ids)
+    assert len(seeds) == (5 + 2) * n and len({int(t) for t in seeds}) == len(seeds)  # + q/k/v and o
+    forge.unpatch(pm)
+
+
 @pytest.mark.parametrize("backend", ops.BACKENDS)
 def test_recompute_mlp_under_compile(backend):
     # the op pair under torch.compile (aot_eager: the op layer's registered forward and backward)

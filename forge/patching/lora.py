@@ -118,11 +118,41 @@ def _call(x, args, kwargs, ps, names, ts):
 
 
 # ------------------------------------------------------------------------------------ mlp
+# A fused MLP call over more rows than this many (rows x intermediate) elements runs as several
+# calls over consecutive row blocks: the backward's (rows, intermediate) buffers (the gradients
+# of h, gate and up; with recompute_mlp gate's and up's outputs again) then exist for one block at
+# a time, not for the whole sequence. 2**27 is 9216 rows at intermediate 14336: the 8B steps of
+# 4x1024 and 1x8192 run as one call; a 128k-token sequence as 15. Each block draws its own
+# dropout seed, so the blocks' masks are independent.
+CHUNK_ELEMENTS = 2**27
+ROW_ALIGN = 256
+
+
+def row_blocks(rows: int, inter: int) -> list:
+    """The row counts a fused MLP call over ``rows`` rows is cut into (one entry: uncut): as few
+    blocks as CHUNK_ELEMENTS allows, of about equal size, each but the last a multiple of
+    ROW_ALIGN rows."""
+    align = ROW_ALIGN
+    per = max(align, CHUNK_ELEMENTS // max(inter, 1) // align * align)
+    if rows <= per:
+        return [rows]
+    n = -(-rows // per)
+    size = -(-(-(-rows // n)) // align) * align  # ceil(ceil(rows / n) / align) * align <= per
+    return [size] * (rows // size) + ([rows % size] if rows % size else [])
+
+
 def _mlp_forward(kernel, act, act_types, lora_linear, ks, recompute=False):
     """``act_types``: the act_fn classes computing ``act``; a call finding another (act_fn
     swapped after patching) runs the module's own forward. ``recompute``: forge.patch's
     recompute_mlp (the kernel keeps x, not gate's and up's outputs, for the backward)."""
     extra = {"recompute": True} if recompute else {}
+
+    def one(ts, ps, x):
+        drop = _dropout(x, _mlp_spec.PROJ, ps)
+        # every tensor bound to its spec name (forge.spec.lora_mlp.TENSORS), never by position
+        return kernel(**dict(zip(_MLP_NAMES, ts)), scale_gate=ps[0][4], scale_up=ps[1][4], scale_down=ps[2][4],
+                      act=act, **drop, **extra)
+
     def forward(self, x, *args, **kwargs):
         mods = self._modules
         ps = [proj_params(mods[n], lora_linear, False) for n in _arch.MLP_PROJ]
@@ -133,12 +163,17 @@ def _mlp_forward(kernel, act, act_types, lora_linear, ks, recompute=False):
             if not _compiling():
                 ks.fallback += 1
             return type(self).forward(self, x, *args, **kwargs)
-        drop = _dropout(x, _mlp_spec.PROJ, ps)
         if not _compiling():
             ks.fused += 1
-        # every tensor bound to its spec name (forge.spec.lora_mlp.TENSORS), never by position
-        return kernel(**dict(zip(_MLP_NAMES, ts)), scale_gate=ps[0][4], scale_up=ps[1][4], scale_down=ps[2][4],
-                      act=act, **drop, **extra)
+        xin = ts[0]
+        blocks = row_blocks(xin.numel() // max(xin.shape[-1], 1), ps[0][0].shape[0])
+        if len(blocks) == 1:
+            return one(ts, ps, x)
+        # split's backward gathers the blocks' input gradients into one tensor (no per-block
+        # full-size gradient, as slicing would make)
+        parts = xin.reshape(-1, xin.shape[-1]).split(blocks)
+        ys = [one([part] + ts[1:], ps, x) for part in parts]
+        return torch.cat(ys).view(*xin.shape[:-1], ys[0].shape[-1])
 
     return forward
 
