@@ -99,12 +99,16 @@ def elements(x, *_a, **_k) -> int:
 
 def reductions(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, **_k) -> dict:
     """Reduction length behind each output and gradient (scales the tolerance): y sums over I
-    after sums over H; d x over I twice after the sum over H in dh; weights over the rows."""
+    after sums over H; d x over I twice after the sum over H in dh; the adapters' gradients over
+    the rows after the sums behind their two factors (gate's and up's d b: dg, from dh's sum over
+    H, and xa's over H; their d a: d xa's sum over I after dh's; down's d b: ha's sum over I after
+    h's over H; down's d a: d ha's sum over H)."""
     h, inter = x.shape[-1], w_gate.shape[0]
     r = max(0 if a is None else a.shape[0] for a in (a_gate, a_up, a_down))
     rows = x.numel() // max(h, 1)
     out = {"y": h + inter + 2 * r, "x": h + 2 * inter + 3 * r}
-    out.update({f"{m}_{p}": rows for m in "ab" for p in PROJ})
+    out.update({"b_gate": rows + h + r, "b_up": rows + h + r, "a_gate": rows + h + inter + r,
+                "a_up": rows + h + inter + r, "b_down": rows + h + inter + r, "a_down": rows + h + r})
     return out
 
 

@@ -51,10 +51,11 @@ def elements(x, *_a, **_k) -> int:
 
 
 def reductions(x, w, bias, a, b, **_k) -> dict:
-    """Reduction length behind each output and gradient (scales the tolerance)."""
+    """Reduction length behind each output and gradient (scales the tolerance): d b sums over the
+    rows after xa's sum over K, d a over the rows after d xa's sum over N."""
     k, r = x.shape[-1], a.shape[0]
     rows = x.numel() // max(k, 1)
-    return {"y": k + r, "x": w.shape[0] + r, "a": rows, "b": rows}
+    return {"y": k + r, "x": w.shape[0] + r, "a": rows + w.shape[0], "b": rows + k}
 
 
 __all__ = ["TENSORS", "TRAINABLE", "check", "elements", "frozen", "reductions", "reference"]

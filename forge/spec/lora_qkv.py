@@ -157,11 +157,15 @@ def elements(x, *_a, **_k) -> int:
 
 def reductions(x, w_q, bias_q, a_q, b_q, w_k, bias_k, a_k, b_k, w_v, bias_v, a_v, b_v, **_k) -> dict:
     """Reduction length behind each output and gradient (scales the tolerance): an output sums
-    over H (base) and r (LoRA); d x over every N_p and r_p; d a_p and d b_p over the rows."""
+    over H (base) and r (LoRA); d x over every N_p and r_p; d b_p over the rows after xa_p's sum
+    over H, d a_p over the rows after d xa_p's sum over N_p (chained sums add up, as in
+    forge.spec.lora_mlp's)."""
     h = x.shape[-1]
     rows = x.numel() // max(h, 1)
     r = [0 if a is None else a.shape[0] for a in (a_q, a_k, a_v)]
     out = {p: h + rp for p, rp in zip(PROJ, r)}
     out["x"] = sum(w.shape[0] + rp for w, rp in zip((w_q, w_k, w_v), r))
-    out.update({f"{m}_{p}": rows for m in "ab" for p in PROJ})
+    n = [w.shape[0] for w in (w_q, w_k, w_v)]
+    out.update({f"b_{p}": rows + h for p in PROJ})
+    out.update({f"a_{p}": rows + n_p for p, n_p in zip(PROJ, n)})
     return out
