@@ -415,9 +415,33 @@ def _slots(ranks, ps, salts):
     return (*r, *words, *thr, *sc), dict(NA=n, **flags)
 
 
-def col_parts(m: int, k: int, device) -> int:
+def _pipelined(bk: int, stage_bytes, device) -> tuple:
+    """(BLOCK_K, num_stages) of a row kernel (down, grad_a) whose loop keeps ``stage_bytes(bk)``
+    of tiles in shared memory per stage: the most stages up to Triton's default 3 that fit the
+    device (with an eighth spare for the compiler's own scratch), halving BLOCK_K when even one
+    does not (float64, or wide ranks: 3 stages of a rank-256 q/k/v call in bf16 need ~600 KB)."""
+    limit = _common.shared_memory(device) * 7 // 8
+    while True:
+        for stages in (3, 2, 1):
+            if stages * stage_bytes(bk) <= limit:
+                return bk, stages
+        if bk <= 16:
+            return bk, 1
+        bk //= 2
+
+
+def _down_launch(ranks, dt, device) -> tuple:
+    """(BLOCK_M, BLOCK_K, num_warps, num_stages, BLOCK_R) of the down-projection kernel."""
+    bm, bk, warps, _ = CFG["down"]
+    br, na, size = _block_r_whole(max(ranks)), len(ranks), dt.itemsize
+    bk, stages = _pipelined(bk, lambda k: (bm * k + na * k * br) * size, device)  # x (BM, BK), A_i (BK, BR)
+    return bm, bk, warps, stages, br
+
+
+def col_parts(m: int, k: int, device, bk=None) -> int:
     """Parts the down-projection splits x's columns into: CFG["down"]'s programs per SM."""
-    bm, bk, _, per_sm = CFG["down"]
+    bm, bk0, _, per_sm = CFG["down"]
+    bk = bk or bk0
     row_blocks, col_blocks = _common.cdiv(m, bm), _common.cdiv(k, bk)
     return max(1, min(col_blocks, _common.cdiv(per_sm * _common.num_sms(device), row_blocks)))
 
@@ -429,8 +453,8 @@ def down(x2, a_cat, seed, ranks, ps, salts):
     rtot = a_cat.shape[0]
     if not m:
         return _common.empty((m, rtot), dt, x2.device)
-    bm, bk, warps, _ = CFG["down"]
-    parts = col_parts(m, k, x2.device)
+    bm, bk, warps, stages, br = _down_launch(ranks, dt, x2.device)
+    parts = col_parts(m, k, x2.device, bk)
     k_per_part = _common.cdiv(_common.cdiv(k, parts), bk) * bk
     parts = _common.cdiv(k, k_per_part)
     # one part writes xa itself; several write their sums in ACC, added up below
@@ -438,8 +462,8 @@ def down(x2, a_cat, seed, ranks, ps, salts):
     args, flags = _slots(ranks, ps, salts)
     _LORA_DOWN[(_common.cdiv(m, bm), parts)](
         x2, a_cat, out, seed, m, k, k_per_part, x2.stride(0), x2.stride(1), a_cat.stride(0), a_cat.stride(1),
-        out.stride(1), out.stride(0), *args, **flags, BLOCK_M=bm, BLOCK_K=bk,
-        BLOCK_R=_block_r_whole(max(ranks)), **_consts(dt), num_warps=warps)
+        out.stride(1), out.stride(0), *args, **flags, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, **_consts(dt),
+        num_warps=warps, num_stages=stages)
     return out[0] if parts == 1 else out.sum(0, dtype=out.dtype).to(dt)
 
 
@@ -452,6 +476,8 @@ def grad_a(x2, dxa, seed, ranks, ps, salts):
     if not m:
         return torch.zeros((rtot, k), dtype=acc, device=x2.device)
     bm, bk, warps, per_sm = CFG["grad_a"]
+    br, na, size = _block_r_whole(max(ranks)), len(ranks), x2.dtype.itemsize
+    bk, stages = _pipelined(bk, lambda c: (bm * c + na * bm * br) * size, x2.device)  # x (BM, BK), dxa_i (BM, BR)
     kb = _common.cdiv(k, bk)
     row_blocks = _common.cdiv(m, bm)
     parts = max(1, min(row_blocks, _common.cdiv(per_sm * _common.num_sms(x2.device), kb)))
@@ -461,8 +487,8 @@ def grad_a(x2, dxa, seed, ranks, ps, salts):
     args, flags = _slots(ranks, ps, salts)
     _LORA_GRAD_A[(kb, parts)](
         x2, dxa, part, seed, m, k, rows_per_part, x2.stride(0), x2.stride(1), dxa.stride(0), part.stride(0),
-        part.stride(1), *args, **flags, BLOCK_M=bm, BLOCK_K=bk,
-        BLOCK_R=_block_r_whole(max(ranks)), **_consts(x2.dtype), num_warps=warps)
+        part.stride(1), *args, **flags, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, **_consts(x2.dtype),
+        num_warps=warps, num_stages=stages)
     return part[0] if parts == 1 else part.sum(0)
 
 

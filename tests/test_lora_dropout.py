@@ -70,6 +70,38 @@ def test_dropout_fp32_adapters_on_bf16(backend, shapes, device):
                             dict.fromkeys("qkv", 0.05), device))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,r", [(F32, 64), (torch.bfloat16, 128), (torch.bfloat16, 256)], ids=["f32-r64", "bf16-r128",
+                                                                                                "bf16-r256"])
+def test_wide_ranks_fit_the_gpu(backend, dtype, r, device):
+    # ranks people train with (64-256): the row kernels keep x's tile and every adapter's A (or
+    # d xa) tile per pipeline stage in shared memory; three stages of three rank-128 adapters
+    # exceed an H100's, so the launch takes fewer stages or narrower column blocks (it raised
+    # OutOfResources inside Triton before)
+    _check("lora_qkv", backend, qkv_spec.reference,
+           with_dropout(qkv_case(((2, 64), 1024, 1024, 256), r, False, dtype, device), QKV_DROP, device))
+    _check("lora_mlp", backend, mlp_spec.reference,
+           with_dropout(mlp_case(((2, 64), 1024, 2048), r, "silu", dtype, device), MLP_DROP, device))
+
+
+def test_row_kernel_launch_fits_shared_memory():
+    # the launch settings of the row kernels: Triton's three stages and CFG's columns where they
+    # fit (bf16 at the ranks benchmarked), fewer stages or columns where they do not, always
+    # within the budget (H100: 227 KB a program)
+    from forge_triton import lora_kernels as K
+
+    dev = torch.device("cpu")  # (the interpreter stands in for an H100's shared memory)
+    limit = 227 * 1024 * 7 // 8
+    assert K._down_launch([16] * 3, torch.bfloat16, dev)[1:4] == (K.CFG["down"][1], K.CFG["down"][2], 3)
+    assert K._down_launch([64] * 3, torch.bfloat16, dev)[3] == 3
+    for dt in (torch.bfloat16, F32, torch.float64):
+        for r in (8, 64, 128, 256):
+            bm, bk, _, stages, br = K._down_launch([r] * 3, dt, dev)
+            assert stages * (bm * bk + 3 * bk * br) * dt.itemsize <= limit, (dt, r)
+            assert br >= r and bk >= 16
+
+
 def _either_way_cases(backend, shapes, device):
     for dt, adt in ((torch.bfloat16, F32), (F32, None)):
         _check("lora_mlp", backend, mlp_spec.reference,
@@ -293,7 +325,8 @@ def test_seeds_follow_torch_manual_seed(device):
     b = [D.seed(device) for _ in range(3)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert len({int(x) for x in a}) == 3  # successive calls draw fresh seeds
-    assert all(x.device == torch.device(device) and x.dtype == torch.int64 and x.shape == (1,) for x in a)
+    # (the device's type: a CUDA draw lands on cuda:0, which is not equal to torch.device("cuda"))
+    assert all(x.device.type == torch.device(device).type and x.dtype == torch.int64 and x.shape == (1,) for x in a)
 
 
 # ---------------------------------------------------------------- under torch.compile: the op layer
