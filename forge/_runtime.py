@@ -31,6 +31,39 @@ def has_cuda() -> bool:
 THROUGH_OPS = os.environ.get("FORGE_THROUGH_OPS", "0") == "1"
 
 
+@functools.cache
+def _smem(index: int) -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+def shared_memory(index=None) -> int:
+    """Bytes of shared memory one program may use on CUDA device ``index`` (default: the current
+    one); without a GPU (the interpreters) an H100's 227 KB."""
+    if not has_cuda():
+        return 227 * 1024
+    import torch
+
+    return _smem(torch.cuda.current_device() if index is None else index)
+
+
+def pipeline_fit(block: int, stage_bytes, limit: int, smallest: int = 16) -> tuple:
+    """(block, stages) for a kernel loop that keeps ``stage_bytes(block)`` of tiles in shared
+    memory per pipeline stage: the most stages up to Triton's default 3 within 7/8 of ``limit``
+    (the rest for the compiler's own scratch), halving ``block`` down to ``smallest`` when even
+    one stage does not fit (then one stage, whatever it needs)."""
+    limit = limit * 7 // 8
+    while True:
+        for stages in (3, 2, 1):
+            if stages * stage_bytes(block) <= limit:
+                return block, stages
+        if block <= smallest:
+            return block, 1
+        block //= 2
+
+
 def _always() -> bool:
     return True
 

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from forge import _runtime
+
 from . import _common as C
 from .glu import _act as _glu_act  # one activation (and derivative) for both GLU kernels
 
@@ -43,10 +45,19 @@ def _signed(word: int) -> int:
 _MUL1, _MUL2, _GOLDEN = _signed(0x7FEB352D), _signed(0x846CA68B), _signed(0x9E3779B9)
 
 
-def _launch(kernel, *, name, grid, out_shape, aliases=None):
+def _launch(kernel, *, name, grid, out_shape, aliases=None, num_stages=None):
     """``aliases`` lets an output reuse an input's buffer (the base GEMM output becomes the
     result in place)."""
-    return C.triton_call(kernel, name=name, grid=grid, out_shape=out_shape, num_warps=4, aliases=aliases)
+    return C.triton_call(kernel, name=name, grid=grid, out_shape=out_shape, num_warps=4, aliases=aliases,
+                         num_stages=num_stages)
+
+
+def _stages(stage_bytes) -> int:
+    """Pipeline stages of a row kernel's loop (down, grad_a) whose tiles take ``stage_bytes``
+    of shared memory per stage: the most up to the lowering's default 3 that fit the GPU (three
+    stages of three rank-256 adapters in bf16 would need ~300 KB; the column block stays)."""
+    return _runtime.pipeline_fit(DOWN_BLOCK_K, lambda _: stage_bytes, _runtime.shared_memory(),
+                                 smallest=DOWN_BLOCK_K)[1]
 
 
 def rank_block(r: int) -> int:
@@ -244,9 +255,12 @@ def lora_down(x, a_cat, seed, *, slots):
     parts = max(1, min(col_blocks, C.cdiv(2 * C.num_cores(), row_blocks)))
     kpp = C.cdiv(C.cdiv(k, parts), DOWN_BLOCK_K) * DOWN_BLOCK_K
     parts = C.row_programs(C.cdiv(k, kpp))  # (two at least: see row_programs; a spare part adds zeros)
-    kern = functools.partial(_lora_down_kernel, slots=tuple(slots), rb=rank_block(max(s[1] for s in slots)))
+    rb = rank_block(max(s[1] for s in slots))
+    kern = functools.partial(_lora_down_kernel, slots=tuple(slots), rb=rb)
+    size = jnp.dtype(x.dtype).itemsize
+    stages = _stages((DOWN_BLOCK_M + len(slots) * rb) * DOWN_BLOCK_K * size)  # x (BM, BK), A_i (RB, BK)
     part = _launch(kern, name="lora_down", grid=(C.row_programs(row_blocks), parts),
-                   out_shape=jax.ShapeDtypeStruct((parts * m, rtot), acc))(
+                   out_shape=jax.ShapeDtypeStruct((parts * m, rtot), acc), num_stages=stages)(
         x, a_cat, seed, C.rows_operand(m), C.rows_operand(kpp))
     return part.reshape(parts, m, rtot).sum(axis=0).astype(x.dtype)
 
@@ -301,8 +315,10 @@ def lora_grad_a(x, dxa, seed, *, slots, parts):
     parts = max(1, C.cdiv(m, rpp))
     rb = rank_block(max(s[1] for s in slots))
     kern = functools.partial(_lora_grad_a_kernel, slots=tuple(slots), rb=rb, rtot=rtot)
+    size = jnp.dtype(x.dtype).itemsize
+    stages = _stages((DOWN_BLOCK_K + len(slots) * rb) * DOWN_BLOCK_M * size)  # x (BM, BK), dxa_i (BM, RB)
     part = _launch(kern, name="lora_grad_a", grid=(C.cdiv(k, DOWN_BLOCK_K), C.row_programs(parts)),
-                   out_shape=jax.ShapeDtypeStruct((C.row_programs(parts) * rtot, k), acc))(
+                   out_shape=jax.ShapeDtypeStruct((C.row_programs(parts) * rtot, k), acc), num_stages=stages)(
         x, dxa, seed, C.rows_operand(m), C.rows_operand(rpp))
     part = part.reshape(C.row_programs(parts), rtot, k)
     return part.sum(axis=0)

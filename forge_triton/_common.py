@@ -80,17 +80,9 @@ def num_sms(device) -> int:
     return 4
 
 
-@functools.lru_cache(maxsize=None)
-def _smem(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
-
-
 def shared_memory(device) -> int:
     """Bytes of shared memory one program may use on ``device`` (the interpreter: an H100's)."""
-    if device.type == "cuda":
-        return _smem(device.index if device.index is not None else torch.cuda.current_device())
-    return 227 * 1024
+    return _runtime.shared_memory(device.index) if device.type == "cuda" else 227 * 1024
 
 
 def cdiv(a: int, b: int) -> int:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from forge import _runtime
 from forge.spec import lora_dropout as drop_spec
 
 from . import _common, _launch
@@ -417,17 +418,9 @@ def _slots(ranks, ps, salts):
 
 def _pipelined(bk: int, stage_bytes, device) -> tuple:
     """(BLOCK_K, num_stages) of a row kernel (down, grad_a) whose loop keeps ``stage_bytes(bk)``
-    of tiles in shared memory per stage: the most stages up to Triton's default 3 that fit the
-    device (with an eighth spare for the compiler's own scratch), halving BLOCK_K when even one
-    does not (float64, or wide ranks: 3 stages of a rank-256 q/k/v call in bf16 need ~600 KB)."""
-    limit = _common.shared_memory(device) * 7 // 8
-    while True:
-        for stages in (3, 2, 1):
-            if stages * stage_bytes(bk) <= limit:
-                return bk, stages
-        if bk <= 16:
-            return bk, 1
-        bk //= 2
+    of tiles in shared memory per stage, within the device's (float64, or wide ranks: three
+    stages of a rank-256 q/k/v call in bf16 need ~600 KB)."""
+    return _runtime.pipeline_fit(bk, stage_bytes, _common.shared_memory(device))
 
 
 def _down_launch(ranks, dt, device) -> tuple:

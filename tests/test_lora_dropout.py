@@ -100,6 +100,14 @@ def test_row_kernel_launch_fits_shared_memory():
             bm, bk, _, stages, br = K._down_launch([r] * 3, dt, dev)
             assert stages * (bm * bk + 3 * bk * br) * dt.itemsize <= limit, (dt, r)
             assert br >= r and bk >= 16
+    # the rule itself: stages first, then the block; one stage of the smallest block at worst
+    from forge import _runtime
+
+    per = lambda b: b * 100  # noqa: E731  (bytes a stage; 7/8 of the limit is usable)
+    assert _runtime.pipeline_fit(128, per, 8 * 3 * 12800 // 7 + 1) == (128, 3)
+    assert _runtime.pipeline_fit(128, per, 8 * 3 * 12800 // 7 - 8) == (128, 2)
+    assert _runtime.pipeline_fit(128, per, 8000) == (64, 1)
+    assert _runtime.pipeline_fit(32, lambda b: 10**9, 1000, smallest=32) == (32, 1)
 
 
 def _either_way_cases(backend, shapes, device):
