@@ -52,7 +52,8 @@ def _launch(kernel, *, name, grid, out_shape, aliases=None, num_stages=None):
                          num_stages=num_stages)
 
 
-def _stages(stage_bytes) -> int:
+@functools.lru_cache(maxsize=256)
+def _stages(stage_bytes: int) -> int:
     """Pipeline stages of a row kernel's loop (down, grad_a) whose tiles take ``stage_bytes``
     of shared memory per stage: the most up to the lowering's default 3 that fit the GPU (three
     stages of three rank-256 adapters in bf16 would need ~300 KB; the column block stays)."""

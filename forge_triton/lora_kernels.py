@@ -416,19 +416,32 @@ def _slots(ranks, ps, salts):
     return (*r, *words, *thr, *sc), dict(NA=n, **flags)
 
 
-def _pipelined(bk: int, stage_bytes, device) -> tuple:
-    """(BLOCK_K, num_stages) of a row kernel (down, grad_a) whose loop keeps ``stage_bytes(bk)``
-    of tiles in shared memory per stage, within the device's (float64, or wide ranks: three
-    stages of a rank-256 q/k/v call in bf16 need ~600 KB)."""
-    return _runtime.pipeline_fit(bk, stage_bytes, _common.shared_memory(device))
+def _row_launch_of(name: str, cfg: tuple, r: int, na: int, dt: torch.dtype, device) -> tuple:
+    """(BLOCK_M, BLOCK_K, num_warps, num_stages, BLOCK_R) of row kernel ``name`` ("down",
+    "grad_a") for ``na`` adapters of rank up to ``r``: CFG's tiles, with the stages (and if need
+    be a narrower BLOCK_K) whose tiles fit the device's shared memory (float64, or wide ranks:
+    three stages of a rank-256 q/k/v call in bf16 need ~600 KB)."""
+    bm, bk, warps, _ = cfg
+    br, size = _block_r_whole(r), dt.itemsize
+    if name == "down":  # x (BM, BK) and each A_i (BK, BR) per stage
+        per_stage = lambda k: (bm * k + na * k * br) * size  # noqa: E731
+    else:  # grad_a: x (BM, BK) and each d xa_i (BM, BR)
+        per_stage = lambda k: (bm * k + na * bm * br) * size  # noqa: E731
+    bk, stages = _runtime.pipeline_fit(bk, per_stage, _common.shared_memory(device))
+    return bm, bk, warps, stages, br
+
+
+_row_launch_cached = functools.lru_cache(maxsize=256)(_row_launch_of)
+
+
+def _row_launch(name, cfg, r, na, dt, device) -> tuple:
+    # (a rank traced as a SymInt, under torch.compile's dynamic shapes, is not hashable)
+    return (_row_launch_cached if type(r) is int else _row_launch_of)(name, cfg, r, na, dt, device)
 
 
 def _down_launch(ranks, dt, device) -> tuple:
     """(BLOCK_M, BLOCK_K, num_warps, num_stages, BLOCK_R) of the down-projection kernel."""
-    bm, bk, warps, _ = CFG["down"]
-    br, na, size = _block_r_whole(max(ranks)), len(ranks), dt.itemsize
-    bk, stages = _pipelined(bk, lambda k: (bm * k + na * k * br) * size, device)  # x (BM, BK), A_i (BK, BR)
-    return bm, bk, warps, stages, br
+    return _row_launch("down", CFG["down"], max(ranks), len(ranks), dt, device)
 
 
 def col_parts(m: int, k: int, device, bk=None) -> int:
@@ -468,9 +481,8 @@ def grad_a(x2, dxa, seed, ranks, ps, salts):
     rtot = sum(ranks)
     if not m:
         return torch.zeros((rtot, k), dtype=acc, device=x2.device)
-    bm, bk, warps, per_sm = CFG["grad_a"]
-    br, na, size = _block_r_whole(max(ranks)), len(ranks), x2.dtype.itemsize
-    bk, stages = _pipelined(bk, lambda c: (bm * c + na * bm * br) * size, x2.device)  # x (BM, BK), dxa_i (BM, BR)
+    per_sm = CFG["grad_a"][3]
+    bm, bk, warps, stages, br = _row_launch("grad_a", CFG["grad_a"], max(ranks), len(ranks), x2.dtype, x2.device)
     kb = _common.cdiv(k, bk)
     row_blocks = _common.cdiv(m, bm)
     parts = max(1, min(row_blocks, _common.cdiv(per_sm * _common.num_sms(x2.device), kb)))
