@@ -270,10 +270,18 @@ def test_lora_dropout_matches_the_reference(model_type, backend, device, monkeyp
     forge.unpatch(pm)
 
 
-def test_lora_dropout_under_gradient_checkpointing():
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "row_blocks"])
+def test_lora_dropout_under_gradient_checkpointing(cut, monkeypatch):
     # the recompute draws its seeds again from the RNG state torch's checkpoint restores: the same
-    # masks as the forward, so the step equals the step without checkpointing
+    # masks as the forward, so the step equals the step without checkpointing (with the MLP in
+    # row blocks too: one seed per block, drawn again in the same order)
     pm = lora_model("qwen3", lora_dropout=0.1).train()
+    if cut:
+        from forge.patching import lora as patch_lora
+
+        monkeypatch.setattr(patch_lora, "CHUNK_ELEMENTS", 5 * pm.config.intermediate_size)
+        monkeypatch.setattr(patch_lora, "ROW_ALIGN", 2)
+        assert patch_lora.row_blocks(batch(pm, "cpu").numel(), pm.config.intermediate_size) == [4] * 4
     plain = copy.deepcopy(pm)
     pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for m in (pm, plain):
