@@ -121,10 +121,11 @@ def _call(x, args, kwargs, ps, names, ts):
 # A fused MLP call over more rows than this many (rows x intermediate) elements runs as several
 # calls over consecutive row blocks: the backward's (rows, intermediate) buffers (the gradients
 # of h, gate and up; with recompute_mlp gate's and up's outputs again) then exist for one block at
-# a time, not for the whole sequence. 2**27 is 9216 rows at intermediate 14336: the 8B steps of
-# 4x1024 and 1x8192 run as one call; a 128k-token sequence as 15. Each block draws its own
-# dropout seed, so the blocks' masks are independent.
-CHUNK_ELEMENTS = 2**27
+# a time, not for the whole sequence. 2**28 is 18,432 rows at intermediate 14336: every 8B step
+# of up to 18,432 tokens (4x1024, 1x8192, 8x2048) runs as one call, a 139k-token sequence as 8.
+# Each block draws its own dropout seed, so the blocks' masks are independent. (The first
+# measurements, docs/lora.md, cut at 2**27; cutting costs two rows x hidden buffers a call.)
+CHUNK_ELEMENTS = 2**28
 ROW_ALIGN = 256
 
 
