@@ -39,13 +39,14 @@ def _smem(index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-def shared_memory(index=None) -> int:
-    """Bytes of shared memory one program may use on CUDA device ``index`` (default: the current
-    one); without a GPU (the interpreters) an H100's 227 KB."""
-    if not has_cuda():
+def shared_memory(device=None) -> int:
+    """Bytes of shared memory one program may use on ``device`` (a torch.device; default: the
+    current CUDA device); for the interpreters (no GPU, or a CPU device) an H100's 227 KB."""
+    if not has_cuda() or (device is not None and device.type != "cuda"):
         return 227 * 1024
     import torch
 
+    index = None if device is None else device.index
     return _smem(torch.cuda.current_device() if index is None else index)
 
 

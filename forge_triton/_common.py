@@ -80,11 +80,6 @@ def num_sms(device) -> int:
     return 4
 
 
-def shared_memory(device) -> int:
-    """Bytes of shared memory one program may use on ``device`` (the interpreter: an H100's)."""
-    return _runtime.shared_memory(device.index) if device.type == "cuda" else 227 * 1024
-
-
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil(a / b). (``triton.cdiv`` is a constexpr_function on Triton 3.6: several
     microseconds per host call.)"""

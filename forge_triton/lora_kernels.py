@@ -427,7 +427,7 @@ def _row_launch_of(name: str, cfg: tuple, r: int, na: int, dt: torch.dtype, devi
         per_stage = lambda k: (bm * k + na * k * br) * size  # noqa: E731
     else:  # grad_a: x (BM, BK) and each d xa_i (BM, BR)
         per_stage = lambda k: (bm * k + na * bm * br) * size  # noqa: E731
-    bk, stages = _runtime.pipeline_fit(bk, per_stage, _common.shared_memory(device))
+    bk, stages = _runtime.pipeline_fit(bk, per_stage, _runtime.shared_memory(device))
     return bm, bk, warps, stages, br
 
 
@@ -444,10 +444,10 @@ def _down_launch(ranks, dt, device) -> tuple:
     return _row_launch("down", CFG["down"], max(ranks), len(ranks), dt, device)
 
 
-def col_parts(m: int, k: int, device, bk=None) -> int:
-    """Parts the down-projection splits x's columns into: CFG["down"]'s programs per SM."""
-    bm, bk0, _, per_sm = CFG["down"]
-    bk = bk or bk0
+def col_parts(m: int, k: int, device, bk: int) -> int:
+    """Parts the down-projection splits x's columns (in blocks of ``bk``) into: CFG["down"]'s
+    programs per SM."""
+    bm, _, _, per_sm = CFG["down"]
     row_blocks, col_blocks = _common.cdiv(m, bm), _common.cdiv(k, bk)
     return max(1, min(col_blocks, _common.cdiv(per_sm * _common.num_sms(device), row_blocks)))
 
