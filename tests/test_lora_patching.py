@@ -421,11 +421,19 @@ def test_qwen05b_lora_training_tracks_eager(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_autocast_bf16(backend, device):
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "row_blocks"])
+def test_autocast_bf16(backend, cut, device, monkeypatch):
     # HF Trainer's bf16 mixed precision: fp32 weights under autocast. Eager peft then runs every
-    # matmul in bf16; the fused call casts the same way and runs in bf16 (not a fallback)
+    # matmul in bf16; the fused call casts the same way and runs in bf16 (not a fallback), the
+    # MLP in row blocks too (cut after the cast)
     need(backend)
     pm = lora_model("qwen2", device)
+    if cut:
+        from forge.patching import lora as patch_lora
+
+        monkeypatch.setattr(patch_lora, "CHUNK_ELEMENTS", 5 * pm.config.intermediate_size)
+        monkeypatch.setattr(patch_lora, "ROW_ALIGN", 2)
+        assert len(patch_lora.row_blocks(batch(pm, device).numel(), pm.config.intermediate_size)) == 4
     ids = batch(pm, device)
     ref = step(copy.deepcopy(pm).double(), ids)
     with torch.autocast(device.type, dtype=torch.bfloat16):
