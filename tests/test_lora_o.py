@@ -127,6 +127,18 @@ def test_mlp_without_some_adapters(backend, missing, device):
     _check("lora_mlp", backend, mlp_spec.reference, case)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("frozen", [("b_gate", "a_down"), ("b_up",), ("a_down", "b_gate", "b_up")],
+                         ids=["b_gate_a_down", "b_up", "all_made_by_the_glu_backward"])
+def test_mlp_with_frozen_adapter_factors(backend, frozen, device):
+    # factors that require no gradient (frozen by the user): their gradients are not made, and
+    # the others' still match the reference, dropout on every adapter
+    case = mlp_case(MLP_CPU["odd"], 8, "silu", F32, device)
+    case["diff"] = tuple(n for n in case["diff"] if n not in frozen)
+    case["kwargs"].update(seed=D.seed(device), dropout_gate=0.1, dropout_up=0.2, dropout_down=0.3)
+    _check("lora_mlp", backend, mlp_spec.reference, case)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_partial_adapters_llama8b(backend, device):
