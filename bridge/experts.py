@@ -28,29 +28,38 @@ def _one(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def glu_fwd(x, row_token, offsets, gate_up_proj, act):
+def _low(low):
+    """(tensors, static keywords) of a low-rank term ``low`` = None or (a2, w2, scale)."""
+    return ((), {}) if low is None else ((low[0].contiguous(), low[1]), {"scale": float(low[2])})
+
+
+def glu_fwd(x, row_token, offsets, gate_up_proj, act, low=None):
     s, two_i = row_token.shape[0], gate_up_proj.shape[1]
     if s == 0:
         return x.new_empty(0, two_i // 2), x.new_empty(0, two_i)
-    return tuple(core.apply(GLU_FWD, x, row_token, offsets, gate_up_proj, act=act))
+    extra, kw = _low(low)
+    return tuple(core.apply(GLU_FWD, x, row_token, offsets, gate_up_proj, *extra, act=act, **kw))
 
 
-def grouped_mm(a, w, offsets):
+def grouped_mm(a, w, offsets, low=None):
     if a.shape[0] == 0:
         return a.new_empty(0, w.shape[1])
-    return _one(core.apply(GROUPED_MM, a, w, offsets))
+    extra, kw = _low(low)
+    return _one(core.apply(GROUPED_MM, a, w, offsets, *extra, **kw))
 
 
-def grouped_mm_t(a, w, offsets):
+def grouped_mm_t(a, w, offsets, low=None):
     if a.shape[0] == 0:
         return a.new_empty(0, w.shape[2])
-    return _one(core.apply(GROUPED_MM_T, a, w, offsets))
+    extra, kw = _low(low)
+    return _one(core.apply(GROUPED_MM_T, a, w, offsets, *extra, **kw))
 
 
-def glu_bwd(dy, gu, offsets, down_proj, act):
+def glu_bwd(dy, gu, offsets, down_proj, act, low=None):
     if dy.shape[0] == 0:
         return gu.new_empty(gu.shape), gu.new_empty(0, gu.shape[1] // 2)
-    return tuple(core.apply(GLU_BWD, dy, gu, offsets, down_proj, act=act))
+    extra, kw = _low(low)
+    return tuple(core.apply(GLU_BWD, dy, gu, offsets, down_proj, *extra, act=act, **kw))
 
 
 def grouped_wgrad(a, b, offsets, b_rows):

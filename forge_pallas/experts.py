@@ -105,20 +105,22 @@ def unpermute_bwd(dout, y, slot_rows, weights):
     return (dy, dw), ()
 
 
-def glu_fwd(x, row_token, offsets, gate_up_proj, *, act):
-    return K.glu_fwd(x, row_token, offsets, gate_up_proj, kind=_KIND[act]), ()
+# ``low``: none, or (a2 (S, r), w2) with the static ``scale``: a LoRA adapter's rank-r term that
+# joins the product (forge/ops/experts.py)
+def glu_fwd(x, row_token, offsets, gate_up_proj, *low, act, scale=None):
+    return K.glu_fwd(x, row_token, offsets, gate_up_proj, *low, kind=_KIND[act], scale=scale), ()
 
 
-def glu_bwd(dy, gu, offsets, down_proj, *, act):
-    return K.glu_bwd(dy, gu, offsets, down_proj, kind=_KIND[act]), ()
+def glu_bwd(dy, gu, offsets, down_proj, *low, act, scale=None):
+    return K.glu_bwd(dy, gu, offsets, down_proj, *low, kind=_KIND[act], scale=scale), ()
 
 
-def grouped_mm(a, w, offsets):
-    return (K.gmm(a, w, offsets, trans_w=True),), ()
+def grouped_mm(a, w, offsets, *low, scale=None):
+    return (K.gmm(a, w, offsets, *low, trans_w=True, scale=scale),), ()
 
 
-def grouped_mm_t(a, w, offsets):
-    return (K.gmm(a, w, offsets, trans_w=False),), ()
+def grouped_mm_t(a, w, offsets, *low, scale=None):
+    return (K.gmm(a, w, offsets, *low, trans_w=False, scale=scale),), ()
 
 
 def grouped_wgrad(a, b, offsets, *b_rows):

@@ -84,10 +84,12 @@ def _off_rows(rows, mask):
     return jnp.where(mask, rows, _FAR + jnp.arange(rows.shape[0], dtype=jnp.int32))
 
 
-def _product(a_ref, src, w_ref, e, j, rmask, col0s, n, *, trans_w, bn, bk):
+def _product(a_ref, src, w_ref, e, j, rmask, col0s, n, *, trans_w, bn, bk, init=None, scale=None):
     """Per column offset c0 of ``col0s``, the (BM, BN) fp32 tile a[src] @ W_e[:, c0 + j BN + ...]
     where W_e is w[e]^T (w (E, N', K), ``trans_w``) or w[e] (w (E, K, N')); ``src`` the (BM,)
-    rows of a (M, K) to read (masked by ``rmask``)."""
+    rows of a (M, K) to read (masked by ``rmask``). ``init``: tiles to add the product to;
+    ``scale``: a's tiles are multiplied by it (in fp32, then rounded to a's dtype) before the
+    product (a LoRA adapter's rank-r term joining its weight's product)."""
     kdim = a_ref.shape[1]
     acc = C.acc_dtype(a_ref.dtype)
     cmask = j * bn + jnp.arange(bn) < n
@@ -99,6 +101,8 @@ def _product(a_ref, src, w_ref, e, j, rmask, col0s, n, *, trans_w, bn, bk):
         kmask = kcols < kdim
         ks = pl.ds(k0, bk)
         a = C.load(a_ref.at[src, kcols[None, :]], mask=rmask[:, None] & kmask[None, :], other=0.0)  # (BM, BK)
+        if scale is not None:
+            a = (a.astype(acc) * scale).astype(a_ref.dtype)
         out = []
         for t, c0 in zip(accs, col0s):
             cs = pl.ds(c0 + j * bn, bn)
@@ -110,34 +114,49 @@ def _product(a_ref, src, w_ref, e, j, rmask, col0s, n, *, trans_w, bn, bk):
                 out.append(t + dot(a, w.astype(a.dtype)))
         return tuple(out)
 
-    init = tuple(jnp.zeros((rmask.shape[0], bn), acc) for _ in col0s)
-    return lax.fori_loop(C.i32(0), C.i32(C.cdiv(kdim, bk)), body, init)
+    if init is None:
+        init = tuple(jnp.zeros((rmask.shape[0], bn), acc) for _ in col0s)
+    return lax.fori_loop(C.i32(0), C.i32(C.cdiv(kdim, bk)), body, tuple(init))
+
+
+def _with_low(accs, low_refs, rows, e, j, rmask, col0s, n, *, trans_w, bn, scale):
+    """``accs`` + scale * a2[rows] @ W2_e (``low_refs`` = (a2_ref, w2_ref), or () for none): a LoRA
+    adapter's rank-r term in the same accumulators as its weight's product."""
+    if not low_refs:
+        return accs
+    a2_ref, w2_ref = low_refs
+    bk2 = max(16, C.next_power_of_2(a2_ref.shape[1]))
+    return _product(a2_ref, rows, w2_ref, e, j, rmask, col0s, n, trans_w=trans_w, bn=bn, bk=bk2, init=accs,
+                    scale=scale)
 
 
 # out (S, N) = a (S, K) @ W_e per row's expert e (W_e = w[e]^T for w (E, N, K), w[e] for (E, K, N))
-def _gmm_kernel(a_ref, w_ref, off_ref, o_ref, *, n_exp, trans_w, bm, bn, bk):
+def _gmm_kernel(a_ref, w_ref, off_ref, *refs, n_exp, trans_w, bm, bn, bk, scale):
+    *low_refs, o_ref = refs
     e, any_rows, row0, rows, rmask = _tile_rows(off_ref, n_exp=n_exp, bm=bm)
     n, j = o_ref.shape[1], pl.program_id(1)
     cols = j * bn + jnp.arange(bn)
 
     def run():
-        (y,) = _product(a_ref, rows, w_ref, e, j, rmask, (0,), n, trans_w=trans_w, bn=bn, bk=bk)
+        accs = _product(a_ref, rows, w_ref, e, j, rmask, (0,), n, trans_w=trans_w, bn=bn, bk=bk)
+        (y,) = _with_low(accs, low_refs, rows, e, j, rmask, (0,), n, trans_w=trans_w, bn=bn, scale=scale)
         C.store(o_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)], y.astype(o_ref.dtype),
                 mask=rmask[:, None] & (cols < n)[None, :])
 
     pl.when(any_rows)(run)
 
 
-def gmm(a, w, offsets, *, trans_w):
-    """(S, N) in a's dtype: each row of a (S, K) times its expert's matrix (``_gmm_kernel``)."""
+def gmm(a, w, offsets, *low, trans_w, scale=None):
+    """(S, N) in a's dtype: each row of a (S, K) times its expert's matrix (``_gmm_kernel``);
+    ``low`` = (a2 (S, r), w2): plus ``scale`` times a2's rows times their expert's w2, read as w."""
     s = a.shape[0]
     n_exp = w.shape[0]
     n = w.shape[1] if trans_w else w.shape[2]
     bm, bn, bk, warps, stages = _tiles("plain", a.dtype)
-    kern = functools.partial(_gmm_kernel, n_exp=n_exp, trans_w=trans_w, bm=bm, bn=bn, bk=bk)
+    kern = functools.partial(_gmm_kernel, n_exp=n_exp, trans_w=trans_w, bm=bm, bn=bn, bk=bk, scale=scale)
     return C.triton_call(kern, name="experts_gmm" if trans_w else "experts_gmm_t",
                          grid=(slots(s, n_exp, bm), C.cdiv(n, bn)), num_warps=warps, num_stages=stages,
-                         out_shape=jax.ShapeDtypeStruct((s, n), a.dtype))(a, w, offsets)
+                         out_shape=jax.ShapeDtypeStruct((s, n), a.dtype))(a, w, offsets, *low)
 
 
 # the GLU kernels' tile: its expert and rows (_tile_rows), its column block j of the I-wide h,
@@ -154,12 +173,14 @@ def _glu_tile(off_ref, h_ref, *, n_exp, bm, bn):
 # gu = x[row_token] @ w[e]^T (w (E, 2I, H): gate rows then up rows; the token rows gathered in the
 # load), g and u rounded to x's dtype; h = act(g) * u in the epilogue (act(g) rounded first, as
 # eager rounds it); gu (S, 2I) kept for backward
-def _glu_fwd_kernel(x_ref, tok_ref, w_ref, off_ref, h_ref, gu_ref, *, n_exp, kind, bm, bn, bk):
+def _glu_fwd_kernel(x_ref, tok_ref, w_ref, off_ref, *refs, n_exp, kind, bm, bn, bk, scale):
+    *low_refs, h_ref, gu_ref = refs
     e, any_rows, rows, rmask, inter, j, dt, acc, mask, rs = _glu_tile(off_ref, h_ref, n_exp=n_exp, bm=bm, bn=bn)
 
     def run():
         src = C.load(tok_ref.at[rs], mask=rmask, other=0)
-        g, u = _product(x_ref, src, w_ref, e, j, rmask, (0, inter), inter, trans_w=True, bn=bn, bk=bk)
+        accs = _product(x_ref, src, w_ref, e, j, rmask, (0, inter), inter, trans_w=True, bn=bn, bk=bk)
+        g, u = _with_low(accs, low_refs, rows, e, j, rmask, (0, inter), inter, trans_w=True, bn=bn, scale=scale)
         g, u = g.astype(dt), u.astype(dt)
         a, _ = _glu_act(g.astype(acc), kind)
         C.store(gu_ref.at[rs, pl.ds(j * bn, bn)], g, mask=mask)
@@ -169,27 +190,30 @@ def _glu_fwd_kernel(x_ref, tok_ref, w_ref, off_ref, h_ref, gu_ref, *, n_exp, kin
     pl.when(any_rows)(run)
 
 
-def glu_fwd(x, row_token, offsets, gate_up_proj, *, kind):
-    """(h (S, I), gu (S, 2I)) for x (T, H), row_token (S,), gate_up_proj (E, 2I, H)."""
+def glu_fwd(x, row_token, offsets, gate_up_proj, *low, kind, scale=None):
+    """(h (S, I), gu (S, 2I)) for x (T, H), row_token (S,), gate_up_proj (E, 2I, H); ``low`` =
+    (a2 (S, r), b (E, 2I, r)): the adapter's term ``scale`` a2 b_e^T joins the product."""
     s = row_token.shape[0]
     n_exp, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     bm, bn, bk, warps, stages = _tiles("glu", x.dtype)
-    kern = functools.partial(_glu_fwd_kernel, n_exp=n_exp, kind=kind, bm=bm, bn=bn, bk=bk)
+    kern = functools.partial(_glu_fwd_kernel, n_exp=n_exp, kind=kind, bm=bm, bn=bn, bk=bk, scale=scale)
     return C.triton_call(kern, name="experts_glu_fwd", grid=(slots(s, n_exp, bm), C.cdiv(inter, bn)),
                          num_warps=warps, num_stages=stages, out_shape=(jax.ShapeDtypeStruct((s, inter), x.dtype),
                                                       jax.ShapeDtypeStruct((s, two_i), x.dtype)))(
-        x, row_token, gate_up_proj, offsets)
+        x, row_token, gate_up_proj, offsets, *low)
 
 
 # dh = dy @ w[e] (w (E, H, I): the down projection), rounded as a separate product's output would
 # be; the GLU's backward in the epilogue: h = act(g) * u  =>  dg = dh * u * act'(g),
 # du = dh * act(g); h recomputed as the forward computed it (the down weight's gradient reads it)
-def _glu_bwd_kernel(dy_ref, w_ref, gu_ref, off_ref, dgu_ref, h_ref, *, n_exp, kind, bm, bn, bk):
+def _glu_bwd_kernel(dy_ref, w_ref, gu_ref, off_ref, *refs, n_exp, kind, bm, bn, bk, scale):
+    *low_refs, dgu_ref, h_ref = refs
     e, any_rows, rows, rmask, inter, j, dt, acc, mask, rs = _glu_tile(off_ref, h_ref, n_exp=n_exp, bm=bm, bn=bn)
 
     def run():
-        (dh,) = _product(dy_ref, rows, w_ref, e, j, rmask, (0,), inter, trans_w=False, bn=bn, bk=bk)
+        accs = _product(dy_ref, rows, w_ref, e, j, rmask, (0,), inter, trans_w=False, bn=bn, bk=bk)
+        (dh,) = _with_low(accs, low_refs, rows, e, j, rmask, (0,), inter, trans_w=False, bn=bn, scale=scale)
         dh = dh.astype(dt).astype(acc)
         g = C.load(gu_ref.at[rs, pl.ds(j * bn, bn)], mask=mask, other=0.0).astype(acc)
         u = C.load(gu_ref.at[rs, pl.ds(inter + j * bn, bn)], mask=mask, other=0.0).astype(acc)
@@ -201,16 +225,17 @@ def _glu_bwd_kernel(dy_ref, w_ref, gu_ref, off_ref, dgu_ref, h_ref, *, n_exp, ki
     pl.when(any_rows)(run)
 
 
-def glu_bwd(dy, gu, offsets, down_proj, *, kind):
-    """(dgu (S, 2I), h (S, I)) for dy (S, H), gu (S, 2I) from :func:`glu_fwd`, down_proj (E, H, I)."""
+def glu_bwd(dy, gu, offsets, down_proj, *low, kind, scale=None):
+    """(dgu (S, 2I), h (S, I)) for dy (S, H), gu (S, 2I) from :func:`glu_fwd`, down_proj (E, H, I);
+    ``low`` = (a2 (S, r), a (E, r, I)): the adapter's term ``scale`` a2 a_e joins dh."""
     s = dy.shape[0]
     n_exp, _, inter = down_proj.shape
     bm, bn, bk, warps, stages = _tiles("glu_bwd", dy.dtype)
-    kern = functools.partial(_glu_bwd_kernel, n_exp=n_exp, kind=kind, bm=bm, bn=bn, bk=bk)
+    kern = functools.partial(_glu_bwd_kernel, n_exp=n_exp, kind=kind, bm=bm, bn=bn, bk=bk, scale=scale)
     return C.triton_call(kern, name="experts_glu_bwd", grid=(slots(s, n_exp, bm), C.cdiv(inter, bn)),
                          num_warps=warps, num_stages=stages, out_shape=(jax.ShapeDtypeStruct((s, 2 * inter), dy.dtype),
                                                       jax.ShapeDtypeStruct((s, inter), dy.dtype)))(
-        dy, down_proj, gu, offsets)
+        dy, down_proj, gu, offsets, *low)
 
 
 # dw[e] (N, K) = sum over the rows s of group e of a[s]^T b[src(s)] (src = b_rows, or s): one

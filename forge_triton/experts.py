@@ -68,12 +68,16 @@ def _find_tile(off_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
 #   h = act(g) * u (act(g) rounded to the output dtype first, as eager rounds it).
 # EPI_GLU_BWD: acc = dh; with g, u from gu: writes dgu = [dh * u * act'(g), dh * act(g)] and
 #   h = act(g) * u (recomputed for the down weight's gradient).
+# LOW: a LoRA adapter's rank-r term joins the product before any rounding or epilogue:
+#   acc += (scale2 * a2[s]) @ W2[e], a2 (S, K2) the rows' rank-r activations (rounded to the
+#   operands' dtype after the scale, as the product's operands are), W2 read through strides as W is.
 @triton.jit
-def _experts_grouped_kernel(a_ptr, idx_ptr, w_ptr, off_ptr, out_ptr, gu_ptr, h_ptr,
-                            E, N, K, s_am, s_we, s_wn, s_wk, s_om, s_gm, s_hm,
-                            GATHER: tl.constexpr, EPI: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
-                            UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+def _experts_grouped_kernel(a_ptr, idx_ptr, w_ptr, off_ptr, out_ptr, gu_ptr, h_ptr, a2_ptr, w2_ptr,
+                            E, N, K, K2, scale2, s_am, s_we, s_wn, s_wk, s_om, s_gm, s_hm, s_a2m, s_w2e, s_w2n,
+                            s_w2k, GATHER: tl.constexpr, EPI: tl.constexpr, LOW: tl.constexpr, DT: tl.constexpr,
+                            ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
+                            BLOCK_E: tl.constexpr):
     e, row0, end = _find_tile(off_ptr, tl.program_id(0), E, BLOCK_M, BLOCK_E)
     if e >= 0:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -97,6 +101,20 @@ def _experts_grouped_kernel(a_ptr, idx_ptr, w_ptr, off_ptr, out_ptr, gu_ptr, h_p
                 wu = tl.load(w_base + rk[:, None] * s_wk + (N + rn[None, :]).to(tl.int64) * s_wn, mask=wmask,
                              other=0.0)
                 acc_u = _dot(a, wu, acc_u, DT, ACC, UPCAST, IEEE)
+        if LOW:  # + scale2 * a2[s] @ W2[e] (a low-rank adapter's term, a2 in the rows' order), same acc
+            w2_base = w2_ptr + e.to(tl.int64) * s_w2e
+            for k0 in range(0, K2, BLOCK_K2):
+                rk = k0 + tl.arange(0, BLOCK_K2)
+                kmask = rk < K2
+                a2 = tl.load(a2_ptr + rows[:, None].to(tl.int64) * s_a2m + rk[None, :],
+                             mask=rmask[:, None] & kmask[None, :], other=0.0).to(ACC) * scale2
+                wmask = kmask[:, None] & nmask[None, :]
+                w2 = tl.load(w2_base + rk[:, None] * s_w2k + rn[None, :].to(tl.int64) * s_w2n, mask=wmask, other=0.0)
+                acc = _dot(a2, w2, acc, DT, ACC, UPCAST, IEEE)
+                if EPI == 1:
+                    w2u = tl.load(w2_base + rk[:, None] * s_w2k + (N + rn[None, :]).to(tl.int64) * s_w2n, mask=wmask,
+                                  other=0.0)
+                    acc_u = _dot(a2, w2u, acc_u, DT, ACC, UPCAST, IEEE)
         omask = rmask[:, None] & nmask[None, :]
         r64 = rows[:, None].to(tl.int64)
         if EPI == 0:
@@ -197,8 +215,10 @@ def _meta(dt):
     return dict(DT=_TL[dt], ACC=_common.acc(dt), UPCAST=_common.dot_upcast(), IEEE=dt == torch.float32)
 
 
-def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None):
-    """One launch of the grouped kernel over S = len(idx or a) rows; returns (out, gu, h)."""
+def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None, low=None, trans=True):
+    """One launch of the grouped kernel over S = len(idx or a) rows; returns (out, gu, h).
+    ``low``: None or (a2 (S, r), w2, scale), the adapter term added to the product, w2 (E, N, r)
+    read like w when ``trans`` (a[s] @ W[e].T) else w2 (E, r, N)."""
     bm, bn, bk, warps, stages = _tiles(("plain", "glu", "glu_bwd")[epi], a.dtype)
     s_rows = idx.numel() if idx is not None else a.shape[0]
     e_n = w.shape[0]
@@ -215,11 +235,16 @@ def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None):
     if s_rows and n:
         dummy = h if out is None else out
         grid = (_common.cdiv(s_rows, bm) + e_n, _common.cdiv(n, bn))
+        a2, w2, scale2 = low if low is not None else (a, w, 1.0)
+        a2 = _dense(a2)
+        k2 = a2.shape[1] if low is not None else 0
+        s_w2n, s_w2k = (w2.stride(1), w2.stride(2)) if trans else (w2.stride(2), w2.stride(1))
         _GROUPED[grid](
             a, idx if idx is not None else offsets, w, offsets, dummy, gu if gu is not None else dummy,
-            h if h is not None else dummy, e_n, n, k, a.stride(0), w.stride(0), s_wn, s_wk, dummy.stride(0),
-            gu.stride(0) if gu is not None else 0, h.stride(0) if h is not None else 0,
-            GATHER=idx is not None, EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            h if h is not None else dummy, a2, w2, e_n, n, k, k2, float(scale2), a.stride(0), w.stride(0), s_wn,
+            s_wk, dummy.stride(0), gu.stride(0) if gu is not None else 0, h.stride(0) if h is not None else 0,
+            a2.stride(0), w2.stride(0), s_w2n, s_w2k, GATHER=idx is not None, EPI=epi, LOW=low is not None,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_K2=max(16, min(bk, _common.next_pow2(max(k2, 1)))),
             BLOCK_E=max(2, _common.next_pow2(e_n)), num_warps=warps, num_stages=stages, **_meta(a.dtype))
     return out, gu, h
 
@@ -228,25 +253,26 @@ def _dense(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
-def glu_fwd(x, row_token, offsets, gate_up_proj, act):
+def glu_fwd(x, row_token, offsets, gate_up_proj, act, low=None):
     x = _dense(x)
     i = gate_up_proj.shape[1] // 2
     _, gu, h = _grouped(x, row_token, gate_up_proj, offsets, i, gate_up_proj.stride(1), gate_up_proj.stride(2),
-                        EPI_GLU)
+                        EPI_GLU, low=low)
     return h, gu
 
 
-def grouped_mm(a, w, offsets):
-    return _grouped(_dense(a), None, w, offsets, w.shape[1], w.stride(1), w.stride(2), EPI_PLAIN)[0]
+def grouped_mm(a, w, offsets, low=None):
+    return _grouped(_dense(a), None, w, offsets, w.shape[1], w.stride(1), w.stride(2), EPI_PLAIN, low=low)[0]
 
 
-def grouped_mm_t(a, w, offsets):
-    return _grouped(_dense(a), None, w, offsets, w.shape[2], w.stride(2), w.stride(1), EPI_PLAIN)[0]
+def grouped_mm_t(a, w, offsets, low=None):
+    return _grouped(_dense(a), None, w, offsets, w.shape[2], w.stride(2), w.stride(1), EPI_PLAIN, low=low,
+                    trans=False)[0]
 
 
-def glu_bwd(dy, gu, offsets, down_proj, act):
+def glu_bwd(dy, gu, offsets, down_proj, act, low=None):
     dgu, _, h = _grouped(_dense(dy), None, down_proj, offsets, down_proj.shape[2], down_proj.stride(2),
-                         down_proj.stride(1), EPI_GLU_BWD, gu=_dense(gu))
+                         down_proj.stride(1), EPI_GLU_BWD, gu=_dense(gu), low=low, trans=False)
     return dgu, h
 
 

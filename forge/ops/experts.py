@@ -89,46 +89,32 @@ class ExpertsFunction(torch.autograd.Function):
 
 # ------------------------------------------------- low-rank adapters on the expert weights
 # LoRA on the 3-D weights (peft's target_parameters): W_e + s B_e A_e per expert, never formed.
-# ``adapters`` = (gate_up, down), each None or (a (E, r, in), b (E, out, r), scale): the base
-# products and the rank-r ones run as separate grouped pieces (the GLU then in torch between
-# them, where the fused pieces would apply it to the base product alone), the adapters' weight
-# gradients are rank-r grouped products too; no (E, out, in) tensor is made for them.
+# ``adapters`` = (gate_up, down), each None or (a (E, r, in), b (E, out, r), scale). The rank-r
+# down-projection (x A_e^T, or dY B_e for a gradient) is a grouped product of its own, (S, r);
+# its up-projection joins the weight's own product as a second operand pair (``low=`` of the
+# pieces): the same accumulator, so the fused epilogues (the GLU, its backward) see W_e x + s B_e
+# A_e x whole, and no (S, out) tensor is made for the adapter's term. The adapters' weight
+# gradients are rank-r grouped products; no (E, out, in) tensor is made for them.
 def _acc(t):
     """t in its accumulation dtype (fp32; fp64 stays)."""
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
-def _glu(gu, act):
-    """h = act(g) * u computed in fp32 from gu = [g, u] (S, 2I), rounded to gu's dtype (as the
-    pieces' epilogue rounds it)."""
-    return spec.glu(_acc(gu), act).to(gu.dtype)
-
-
-def _glu_bwd(dh, gu, act):
-    """dgu from dh (fp32) and gu, computed in fp32, in gu's dtype."""
-    return spec.glu_bwd(dh, _acc(gu), act)[0].to(gu.dtype)
-
-
-def _plus_lowrank(ops, base, a_in, ad, offsets):
-    """base + s (a_in A^T) B^T per row's expert, summed in fp32; (result, a_in A^T)."""
-    a, b, scale = ad
-    low = ops.grouped_mm(a_in, a, offsets)  # (S, r)
-    return (_acc(base) + scale * _acc(ops.grouped_mm(low, b, offsets))).to(base.dtype), low
-
-
 def _forward_lora(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, adapters):
     ad_gu, ad_dn = adapters
     row_token, offsets, slot_rows = spec.route(top_k_index, gate_up_proj.shape[0])
-    xa = ha = None
-    if ad_gu is None:
-        h, gu = ops.glu_fwd(x, row_token, offsets, gate_up_proj, act)
-    else:
-        xg = x.index_select(0, row_token)  # (S, H): the rows the rank-r product reads
-        gu, xa = _plus_lowrank(ops, ops.grouped_mm(xg, gate_up_proj, offsets), xg, ad_gu, offsets)
-        h = _glu(gu, act)
-    y = ops.grouped_mm(h, down_proj, offsets)
+    xa = ha = low = None
+    if ad_gu is not None:
+        a, b, scale = ad_gu
+        xa = ops.grouped_mm(x.index_select(0, row_token), a, offsets)  # (S, r): x A_e^T
+        low = (xa, b, scale)
+    h, gu = ops.glu_fwd(x, row_token, offsets, gate_up_proj, act, low=low)
+    low = None
     if ad_dn is not None:
-        y, ha = _plus_lowrank(ops, y, h, ad_dn, offsets)
+        a, b, scale = ad_dn
+        ha = ops.grouped_mm(h, a, offsets)  # (S, r)
+        low = (ha, b, scale)
+    y = ops.grouped_mm(h, down_proj, offsets, low=low)
     return ops.unpermute(y, slot_rows, top_k_weights), (row_token, offsets, slot_rows, gu, y, xa, ha)
 
 
@@ -140,14 +126,13 @@ def _backward_lora(ops, act, dout, saved, adapters, need):
     out = [None] * 8
     dy, d_weights = ops.unpermute_bwd(dout.contiguous(), y, slot_rows, weights)
     out[1] = d_weights if need[1] else None
-    if ad_dn is None:
-        dgu, h = ops.glu_bwd(dy, gu, offsets, down_proj, act)
-    else:
+    low = None
+    if ad_dn is not None:
         a, b, scale = ad_dn
-        h = _glu(gu, act)
-        dyb = ops.grouped_mm_t(dy, b, offsets)  # (S, r)
-        dh = _acc(ops.grouped_mm_t(dy, down_proj, offsets)) + scale * _acc(ops.grouped_mm_t(dyb, a, offsets))
-        dgu = _glu_bwd(dh, gu, act)
+        dyb = ops.grouped_mm_t(dy, b, offsets)  # (S, r): dY B_e
+        low = (dyb, a, scale)
+    dgu, h = ops.glu_bwd(dy, gu, offsets, down_proj, act, low=low)  # dh = dY W_e + s dY B_e A_e
+    if ad_dn is not None:
         if need[6]:
             out[6] = (scale * _acc(ops.grouped_wgrad(dyb, h, offsets, None))).to(a.dtype)
         if need[7]:
@@ -157,7 +142,7 @@ def _backward_lora(ops, act, dout, saved, adapters, need):
     del h, dy
     if need[2]:
         out[2] = ops.grouped_wgrad(dgu, x, offsets, row_token)
-    dgb = None
+    low = None
     if ad_gu is not None:
         a, b, scale = ad_gu
         dgb = ops.grouped_mm_t(dgu, b, offsets)  # (S, r)
@@ -165,11 +150,9 @@ def _backward_lora(ops, act, dout, saved, adapters, need):
             out[4] = (scale * _acc(ops.grouped_wgrad(dgb, x, offsets, row_token))).to(a.dtype)
         if need[5]:
             out[5] = (scale * _acc(ops.grouped_wgrad(dgu, xa, offsets, None))).to(b.dtype)
+        low = (dgb, a, scale)
     if need[0]:
-        dxs = ops.grouped_mm_t(dgu, gate_up_proj, offsets)
-        if dgb is not None:
-            dxs = (_acc(dxs) + ad_gu[2] * _acc(ops.grouped_mm_t(dgb, ad_gu[0], offsets))).to(dxs.dtype)
-        out[0] = ops.unpermute(dxs, slot_rows, None)
+        out[0] = ops.unpermute(ops.grouped_mm_t(dgu, gate_up_proj, offsets, low=low), slot_rows, None)
     return out
 
 
