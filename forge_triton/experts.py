@@ -61,6 +61,20 @@ def _find_tile(off_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     return tl.where(e < E, e, -1), row0, end
 
 
+@triton.jit
+def _k_step(a, w_base, rk, kmask, rn, nmask, N, s_wk, s_wn, acc, acc_u, EPI: tl.constexpr, DT: tl.constexpr,
+            ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One K step of the grouped product: acc += a @ W[rk, rn] and, for the gate/up product
+    (EPI 1), acc_u += a @ W[rk, N + rn] (W(n, k) read through the strides)."""
+    wmask = kmask[:, None] & nmask[None, :]
+    w = tl.load(w_base + rk[:, None] * s_wk + rn[None, :].to(tl.int64) * s_wn, mask=wmask, other=0.0)
+    acc = _dot(a, w, acc, DT, ACC, UPCAST, IEEE)
+    if EPI == 1:
+        wu = tl.load(w_base + rk[:, None] * s_wk + (N + rn[None, :]).to(tl.int64) * s_wn, mask=wmask, other=0.0)
+        acc_u = _dot(a, wu, acc_u, DT, ACC, UPCAST, IEEE)
+    return acc, acc_u
+
+
 # out[s, n] = sum_k a[src(s), k] * W[e](n, k) for the rows s of expert e's group, where
 # src(s) = idx[s] with GATHER (the gate/up product reads token rows) else s, and W(n, k) is read
 # through strides (the host swaps them for a[s] @ W[e] against a[s] @ W[e].T).
@@ -94,13 +108,8 @@ def _experts_grouped_kernel(a_ptr, idx_ptr, w_ptr, off_ptr, out_ptr, gu_ptr, h_p
             rk = k0 + tl.arange(0, BLOCK_K)
             kmask = rk < K
             a = tl.load(a_ptr + src[:, None] * s_am + rk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wmask = kmask[:, None] & nmask[None, :]
-            w = tl.load(w_base + rk[:, None] * s_wk + rn[None, :].to(tl.int64) * s_wn, mask=wmask, other=0.0)
-            acc = _dot(a, w, acc, DT, ACC, UPCAST, IEEE)
-            if EPI == 1:
-                wu = tl.load(w_base + rk[:, None] * s_wk + (N + rn[None, :]).to(tl.int64) * s_wn, mask=wmask,
-                             other=0.0)
-                acc_u = _dot(a, wu, acc_u, DT, ACC, UPCAST, IEEE)
+            acc, acc_u = _k_step(a, w_base, rk, kmask, rn, nmask, N, s_wk, s_wn, acc, acc_u, EPI, DT, ACC, UPCAST,
+                                 IEEE)
         if LOW:  # + scale2 * a2[s] @ W2[e] (a low-rank adapter's term, a2 in the rows' order), same acc
             w2_base = w2_ptr + e.to(tl.int64) * s_w2e
             for k0 in range(0, K2, BLOCK_K2):
@@ -108,13 +117,8 @@ def _experts_grouped_kernel(a_ptr, idx_ptr, w_ptr, off_ptr, out_ptr, gu_ptr, h_p
                 kmask = rk < K2
                 a2 = tl.load(a2_ptr + rows[:, None].to(tl.int64) * s_a2m + rk[None, :],
                              mask=rmask[:, None] & kmask[None, :], other=0.0).to(ACC) * scale2
-                wmask = kmask[:, None] & nmask[None, :]
-                w2 = tl.load(w2_base + rk[:, None] * s_w2k + rn[None, :].to(tl.int64) * s_w2n, mask=wmask, other=0.0)
-                acc = _dot(a2, w2, acc, DT, ACC, UPCAST, IEEE)
-                if EPI == 1:
-                    w2u = tl.load(w2_base + rk[:, None] * s_w2k + (N + rn[None, :]).to(tl.int64) * s_w2n, mask=wmask,
-                                  other=0.0)
-                    acc_u = _dot(a2, w2u, acc_u, DT, ACC, UPCAST, IEEE)
+                acc, acc_u = _k_step(a2, w2_base, rk, kmask, rn, nmask, N, s_w2k, s_w2n, acc, acc_u, EPI, DT, ACC,
+                                     UPCAST, IEEE)
         omask = rmask[:, None] & nmask[None, :]
         r64 = rows[:, None].to(tl.int64)
         if EPI == 0:
