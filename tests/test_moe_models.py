@@ -263,3 +263,54 @@ def test_expert_adapters_are_checked():
         fn(x, idx, w, gu, dn, adapters=(None, (torch.randn(e, r, i).double(), torch.randn(e, h, r), 1.0)))
     with pytest.raises(TypeError, match="adapters must be"):
         fn(x, idx, w, gu, dn, adapters=good)
+
+
+def test_expert_lora_terms_join_the_products():
+    """The adapters' up-projections join their weights' grouped products (``low=`` of the pieces),
+    so the node makes no element-wise pass of its own over the routed rows' activations: the only
+    tensor as large as them it makes outside the pieces is the gather of x's rows for x A^T. (The
+    earlier node added each adapter's (S, out) product in fp32 and ran the GLU in torch: at 8B-class
+    MoE shapes that glue was most of the step.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    import forge_triton.experts as TX
+    from forge.ops import experts as OX
+
+    lows = {}
+
+    def wrap(name, fn):
+        def run(*a, **kw):
+            lows.setdefault(name, []).append(kw.get("low") is not None)
+            with _disable_current_modes():  # the pieces' own tensors are not the node's
+                return fn(*a, **kw)
+        return run
+
+    ops_ = OX.ExpertsOps(**{n: wrap(n, f) if callable(f) else f for n, f in TX.experts_pieces().items()})
+    t, h, i, e, k, r = 64, 16, 12, 4, 2, 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(t, h, generator=g).requires_grad_()
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    gu, dn = torch.randn(e, 2 * i, h, generator=g) * h ** -0.5, torch.randn(e, h, i, generator=g) * i ** -0.5
+    ad = [(torch.randn(e, r, h, generator=g).requires_grad_(), torch.randn(e, 2 * i, r, generator=g).requires_grad_(),
+           2.0), (torch.randn(e, r, i, generator=g).requires_grad_(),
+                  torch.randn(e, h, r, generator=g).requires_grad_(), 0.5)]
+    rows = t * k
+    big = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.is_floating_point() and o.numel() >= rows * min(h, i):
+                    big.append(func.__name__)
+            return out
+
+    with Record():
+        y = OX.apply_lora(ops_, x, idx, w, gu, dn, tuple(ad))
+        y.backward(torch.randn(t, h, generator=g))
+    assert big == ["index_select.default"], big
+    assert lows == {"glu_fwd": [True], "grouped_mm": [False, False, True], "unpermute": [False, False],
+                    "unpermute_bwd": [False], "glu_bwd": [True], "grouped_mm_t": [False, False, True],
+                    "grouped_wgrad": [False] * 4}, lows
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for a in ad for p in a[:2])

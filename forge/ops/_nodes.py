@@ -97,7 +97,7 @@ def experts(backend: str, pieces: dict, check_devices):
 
     def experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, *, act="silu", adapters=None):
         """``adapters``: low-rank updates of the weights, (gate_up, down), each None or (a (E, r, in),
-        b (E, out, r), scale), computed as rank-r products beside the weights' (never merged),
+        b (E, out, r), scale), computed as rank-r products joining the weights' (never merged),
         except under autocast and torch.compile, where they are merged into the weights first."""
         dev = hidden.device.type if isinstance(hidden, torch.Tensor) else None
         cast = dev and _autocast.target(dev, hidden, gate_up_proj, down_proj)

@@ -13,7 +13,7 @@ are not 3-D) runs the module's own forward, counted as a fallback.
 peft's LoRA on the expert weights (``target_parameters``) registers a parametrization around each
 call: the weight plus ``scaling * lhs @ rhs`` per expert, lhs and rhs views of the adapter's B
 and A. Where that is all a weight's parametrization does, the kernel takes the frozen weight and
-the factors as an adapter (forge.ops.experts: rank-r grouped products beside the weight's, so
+the factors as an adapter (forge.ops.experts: rank-r grouped products joining the weight's, so
 the adapted weight, one more expert stack per weight and layer, is never made, nor its gradient);
 any other parametrization is read as the module's own forward reads it, and the kernel runs on
 the weight it gives.

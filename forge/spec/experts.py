@@ -54,6 +54,12 @@ both provide exactly these; S = T * K routed rows, the rows sorted by expert)::
                                       (d_down = wgrad(dy, h); d_gate_up = wgrad(dgu, x, row_token));
                                       an expert with no rows gets zeros
     dx = unpermute(dxs, slot_rows, None)
+  low-rank adapters (LoRA on the expert weights): glu_fwd, grouped_mm, glu_bwd and grouped_mm_t
+  take ``low=(a2 (S,r), w2, scale)`` (default None), a second operand pair whose product joins
+  the weight's before any rounding or epilogue:  out[s] += (scale * a2[s]) @ w2[e].T  with w2
+  (E,N,r) for glu_fwd (gate rows, then up rows) and grouped_mm, and  out[s] += (scale * a2[s]) @
+  w2[e]  with w2 (E,r,N) for glu_bwd (into dh) and grouped_mm_t; scale * a2 is rounded to the
+  operands' dtype as the product's operands are.
 
 Grads flow to hidden, gate_up_proj, down_proj and top_k_weights; top_k_index is integer.
 """
@@ -170,7 +176,7 @@ def glu(gu, act):
 
 def glu_bwd(dh, gu, act):
     """(dgu = [dh u act'(g), dh act(g)], h = act(g) u) from dh (rows, I) and gu, in their dtype
-    (the GLU's backward, also the node's where it runs the GLU apart from the products)."""
+    (the GLU's backward: the reference pieces' epilogue)."""
     g, u = gu.chunk(2, dim=-1)
     with torch.enable_grad():
         g2 = g.detach().requires_grad_()
