@@ -131,6 +131,55 @@ def test_experts_backends_agree():
         assert tolerance.rel_err(a, b) <= tol, name
 
 
+# ---------------------------------------------- low-rank adapters on the weights (peft's LoRA)
+# The adapters' terms join the weights' grouped products (forge/ops/experts.py, ``low=`` of the
+# pieces): at the shapes above (one token, empty experts and sentinel ids, a group over several
+# row tiles) against the float64 reference on the adapted weights W + s B A, every gradient
+# (the adapters', the weights', hidden's and the scores').
+LORA_SCALES = (2.0, 0.5)
+LORA_DIFF = DIFF + ("a_gu", "b_gu", "a_dn", "b_dn")
+
+
+def _with_adapters(tensors, r=3, seed=11):
+    e, two_i, h = tensors["gate_up_proj"].shape
+    i = two_i // 2
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ad = {"a_gu": torch.randn(e, r, h, generator=g) * h ** -0.5, "b_gu": torch.randn(e, two_i, r, generator=g),
+          "a_dn": torch.randn(e, r, i, generator=g) * i ** -0.5, "b_dn": torch.randn(e, h, r, generator=g)}
+    return {**tensors, **{n: v.to(tensors["hidden"].dtype) for n, v in ad.items()}}
+
+
+def _lora(fn):
+    def run(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, a_gu, b_gu, a_dn, b_dn):
+        return fn(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                  adapters=((a_gu, b_gu, LORA_SCALES[0]), (a_dn, b_dn, LORA_SCALES[1])))
+    return run
+
+
+def _lora_ref(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, a_gu, b_gu, a_dn, b_dn):
+    return _ref(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                gate_up_proj=torch.baddbmm(gate_up_proj, b_gu, a_gu, alpha=LORA_SCALES[0]),
+                down_proj=torch.baddbmm(down_proj, b_dn, a_dn, alpha=LORA_SCALES[1]))
+
+
+# (Pallas: the awkward shapes only, for the interpreter's time; Triton: every case)
+@pytest.mark.parametrize("backend, case", [pytest.param(b, c, id=f"{b}-{n}") for b in BACKENDS
+                                           for n, c in CPU_CASES.items()
+                                           if b == "triton" or n in ("one_token_topk_all", "empty_and_sentinel",
+                                                                     "one_expert_many_tiles")])
+def test_expert_adapters_oracle(backend, case):
+    fn = _experts(backend)
+    tensors = _with_adapters(_case(**case))
+    red = X.reductions(*list(tensors.values())[:5])
+    h, i, r = tensors["hidden"].shape[1], tensors["down_proj"].shape[2], tensors["a_gu"].shape[1]
+    # an adapter's gradient sums over its expert's rows and over the width its rank-r factor
+    # contracted (d A_gu: dgu B over 2I; d B_gu: x A^T over H; likewise for down), as does the
+    # hidden gradient's extra term (d xa A over the rank)
+    red.update(a_gu=red["gate_up_proj"] * 2 * i, b_gu=red["gate_up_proj"] * h, a_dn=red["down_proj"] * h,
+               b_dn=red["down_proj"] * i, hidden=red["hidden"] + r, out=red["out"] + r)
+    check_op(_lora(fn), _lora_ref, tensors, diff=LORA_DIFF, reductions=red)
+
+
 GPU_SHAPES = {  # (tokens, hidden, moe intermediate, experts, top-k)
     "qwen3_30b_a3b_4x1024": (4096, 2048, 768, 128, 8),
     "olmoe_1b_7b_4x1024": (4096, 2048, 1024, 64, 8),
