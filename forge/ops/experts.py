@@ -95,11 +95,6 @@ class ExpertsFunction(torch.autograd.Function):
 # pieces): the same accumulator, so the fused epilogues (the GLU, its backward) see W_e x + s B_e
 # A_e x whole, and no (S, out) tensor is made for the adapter's term. The adapters' weight
 # gradients are rank-r grouped products; no (E, out, in) tensor is made for them.
-def _acc(t):
-    """t in its accumulation dtype (fp32; fp64 stays)."""
-    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
-
-
 def _forward_lora(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, adapters):
     ad_gu, ad_dn = adapters
     row_token, offsets, slot_rows = spec.route(top_k_index, gate_up_proj.shape[0])
@@ -120,7 +115,9 @@ def _forward_lora(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, a
 
 def _backward_lora(ops, act, dout, saved, adapters, need):
     """Gradients of (x, scores, gate_up_proj, down_proj, a_gu, b_gu, a_dn, b_dn); ``need`` their
-    flags (an adapter's pair only where it is given)."""
+    flags (an adapter's pair only where it is given). An adapter's gradient is its rank-r
+    product (in the block's dtype, the adapters' too: check_adapters) scaled in place, which
+    computes in fp32 and rounds once, as an fp32 product and cast would."""
     x, weights, gate_up_proj, down_proj, row_token, offsets, slot_rows, gu, y, xa, ha = saved
     ad_gu, ad_dn = adapters
     out = [None] * 8
@@ -134,9 +131,9 @@ def _backward_lora(ops, act, dout, saved, adapters, need):
     dgu, h = ops.glu_bwd(dy, gu, offsets, down_proj, act, low=low)  # dh = dY W_e + s dY B_e A_e
     if ad_dn is not None:
         if need[6]:
-            out[6] = (scale * _acc(ops.grouped_wgrad(dyb, h, offsets, None))).to(a.dtype)
+            out[6] = ops.grouped_wgrad(dyb, h, offsets, None).mul_(scale)
         if need[7]:
-            out[7] = (scale * _acc(ops.grouped_wgrad(dy, ha, offsets, None))).to(b.dtype)
+            out[7] = ops.grouped_wgrad(dy, ha, offsets, None).mul_(scale)
     if need[3]:
         out[3] = ops.grouped_wgrad(dy, h, offsets, None)
     del h, dy
@@ -147,9 +144,9 @@ def _backward_lora(ops, act, dout, saved, adapters, need):
         a, b, scale = ad_gu
         dgb = ops.grouped_mm_t(dgu, b, offsets)  # (S, r)
         if need[4]:
-            out[4] = (scale * _acc(ops.grouped_wgrad(dgb, x, offsets, row_token))).to(a.dtype)
+            out[4] = ops.grouped_wgrad(dgb, x, offsets, row_token).mul_(scale)
         if need[5]:
-            out[5] = (scale * _acc(ops.grouped_wgrad(dgu, xa, offsets, None))).to(b.dtype)
+            out[5] = ops.grouped_wgrad(dgu, xa, offsets, None).mul_(scale)
         low = (dgb, a, scale)
     if need[0]:
         out[0] = ops.unpermute(ops.grouped_mm_t(dgu, gate_up_proj, offsets, low=low), slot_rows, None)
