@@ -119,13 +119,14 @@ def _product(a_ref, src, w_ref, e, j, rmask, col0s, n, *, trans_w, bn, bk, init=
     return lax.fori_loop(C.i32(0), C.i32(C.cdiv(kdim, bk)), body, tuple(init))
 
 
-def _with_low(accs, low_refs, rows, e, j, rmask, col0s, n, *, trans_w, bn, scale):
+def _with_low(accs, low_refs, rows, e, j, rmask, col0s, n, *, trans_w, bn, bk, scale):
     """``accs`` + scale * a2[rows] @ W2_e (``low_refs`` = (a2_ref, w2_ref), or () for none): a LoRA
-    adapter's rank-r term in the same accumulators as its weight's product."""
+    adapter's rank-r term in the same accumulators as its weight's product, in K steps no deeper
+    than the weight's (``bk``: a wide rank then loops, and the tiles fit as the weight's do)."""
     if not low_refs:
         return accs
     a2_ref, w2_ref = low_refs
-    bk2 = max(16, C.next_power_of_2(a2_ref.shape[1]))
+    bk2 = max(16, min(bk, C.next_power_of_2(a2_ref.shape[1])))
     return _product(a2_ref, rows, w2_ref, e, j, rmask, col0s, n, trans_w=trans_w, bn=bn, bk=bk2, init=accs,
                     scale=scale)
 
@@ -139,7 +140,7 @@ def _gmm_kernel(a_ref, w_ref, off_ref, *refs, n_exp, trans_w, bm, bn, bk, scale)
 
     def run():
         accs = _product(a_ref, rows, w_ref, e, j, rmask, (0,), n, trans_w=trans_w, bn=bn, bk=bk)
-        (y,) = _with_low(accs, low_refs, rows, e, j, rmask, (0,), n, trans_w=trans_w, bn=bn, scale=scale)
+        (y,) = _with_low(accs, low_refs, rows, e, j, rmask, (0,), n, trans_w=trans_w, bn=bn, bk=bk, scale=scale)
         C.store(o_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)], y.astype(o_ref.dtype),
                 mask=rmask[:, None] & (cols < n)[None, :])
 
@@ -180,7 +181,7 @@ def _glu_fwd_kernel(x_ref, tok_ref, w_ref, off_ref, *refs, n_exp, kind, bm, bn, 
     def run():
         src = C.load(tok_ref.at[rs], mask=rmask, other=0)
         accs = _product(x_ref, src, w_ref, e, j, rmask, (0, inter), inter, trans_w=True, bn=bn, bk=bk)
-        g, u = _with_low(accs, low_refs, rows, e, j, rmask, (0, inter), inter, trans_w=True, bn=bn, scale=scale)
+        g, u = _with_low(accs, low_refs, rows, e, j, rmask, (0, inter), inter, trans_w=True, bn=bn, bk=bk, scale=scale)
         g, u = g.astype(dt), u.astype(dt)
         a, _ = _glu_act(g.astype(acc), kind)
         C.store(gu_ref.at[rs, pl.ds(j * bn, bn)], g, mask=mask)
@@ -213,7 +214,7 @@ def _glu_bwd_kernel(dy_ref, w_ref, gu_ref, off_ref, *refs, n_exp, kind, bm, bn, 
 
     def run():
         accs = _product(dy_ref, rows, w_ref, e, j, rmask, (0,), inter, trans_w=False, bn=bn, bk=bk)
-        (dh,) = _with_low(accs, low_refs, rows, e, j, rmask, (0,), inter, trans_w=False, bn=bn, scale=scale)
+        (dh,) = _with_low(accs, low_refs, rows, e, j, rmask, (0,), inter, trans_w=False, bn=bn, bk=bk, scale=scale)
         dh = dh.astype(dt).astype(acc)
         g = C.load(gu_ref.at[rs, pl.ds(j * bn, bn)], mask=mask, other=0.0).astype(acc)
         u = C.load(gu_ref.at[rs, pl.ds(inter + j * bn, bn)], mask=mask, other=0.0).astype(acc)
