@@ -162,6 +162,17 @@ def _lora_ref(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, a_gu,
                 down_proj=torch.baddbmm(down_proj, b_dn, a_dn, alpha=LORA_SCALES[1]))
 
 
+def _lora_reductions(tensors):
+    """The spec's reduction lengths, and the adapters': an adapter's gradient sums over its
+    expert's rows and over the width its rank-r factor contracted (d A_gu: dgu B over 2I; d B_gu:
+    x A^T over H; likewise for down), as does the hidden gradient's extra term (over the rank)."""
+    red = X.reductions(*list(tensors.values())[:5])
+    h, i, r = tensors["hidden"].shape[1], tensors["down_proj"].shape[2], tensors["a_gu"].shape[1]
+    red.update(a_gu=red["gate_up_proj"] * 2 * i, b_gu=red["gate_up_proj"] * h, a_dn=red["down_proj"] * h,
+               b_dn=red["down_proj"] * i, hidden=red["hidden"] + r, out=red["out"] + r)
+    return red
+
+
 # (Pallas: the awkward shapes only, for the interpreter's time; Triton: every case)
 @pytest.mark.parametrize("backend, case", [pytest.param(b, c, id=f"{b}-{n}") for b in BACKENDS
                                            for n, c in CPU_CASES.items()
@@ -170,14 +181,16 @@ def _lora_ref(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, a_gu,
 def test_expert_adapters_oracle(backend, case):
     fn = _experts(backend)
     tensors = _with_adapters(_case(**case))
-    red = X.reductions(*list(tensors.values())[:5])
-    h, i, r = tensors["hidden"].shape[1], tensors["down_proj"].shape[2], tensors["a_gu"].shape[1]
-    # an adapter's gradient sums over its expert's rows and over the width its rank-r factor
-    # contracted (d A_gu: dgu B over 2I; d B_gu: x A^T over H; likewise for down), as does the
-    # hidden gradient's extra term (d xa A over the rank)
-    red.update(a_gu=red["gate_up_proj"] * 2 * i, b_gu=red["gate_up_proj"] * h, a_dn=red["down_proj"] * h,
-               b_dn=red["down_proj"] * i, hidden=red["hidden"] + r, out=red["out"] + r)
-    check_op(_lora(fn), _lora_ref, tensors, diff=LORA_DIFF, reductions=red)
+    check_op(_lora(fn), _lora_ref, tensors, diff=LORA_DIFF, reductions=_lora_reductions(tensors))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expert_adapters_wider_rank_than_a_k_step(backend):
+    # rank 40: more than the Pallas interpreter's K step (32), so its low-rank loop takes two
+    # steps, the second partly masked; one step of Triton's (64), masked past the rank
+    fn = _experts(backend)
+    tensors = _with_adapters(_case(**CPU_CASES["t7_e5_k2"]), r=40)
+    check_op(_lora(fn), _lora_ref, tensors, diff=LORA_DIFF, reductions=_lora_reductions(tensors))
 
 
 GPU_SHAPES = {  # (tokens, hidden, moe intermediate, experts, top-k)
