@@ -129,7 +129,7 @@ def test_mlp_without_some_adapters(backend, missing, device):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("frozen", [("b_gate", "a_down"), ("b_up",), ("a_down", "b_gate", "b_up")],
-                         ids=["b_gate_a_down", "b_up", "all_made_by_the_glu_backward"])
+                         ids=["b_gate_a_down", "b_up", "a_down_b_gate_b_up"])
 def test_mlp_with_frozen_adapter_factors(backend, frozen, device):
     # factors that require no gradient (frozen by the user): their gradients are not made, and
     # the others' still match the reference, dropout on every adapter
