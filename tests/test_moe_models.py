@@ -175,25 +175,34 @@ def test_peft_lora_on_expert_weights_gpu(backend):
 
 def test_peft_expert_lora_never_forms_the_adapted_weight(monkeypatch):
     """forge computes peft's expert LoRA as rank-r products beside the frozen weights: peft's
-    parametrization is never evaluated for the forward or the backward (only by peft itself when
-    it registers it), and the gradients are those of the path that reads the adapted weights
-    (peft's parametrization evaluated, forge's kernel on its result) within rounding."""
+    parametrization is never evaluated, neither for the forward or the backward nor by its
+    registration (forge's forward of peft's wrapper registers none), and the gradients are those of
+    the path that reads the adapted weights (peft's parametrization evaluated, forge's kernel on
+    its result) within rounding. Through peft's own wrapper forward (its registration's check
+    evaluates each folded weight once) the expert modules' forward still reads the factors."""
     from peft.tuners.lora import layer as peft_layer
 
-    made = []
+    made, registered = [], []
     proxy_forward = peft_layer._LoraFactorsProxy.forward
+    register = torch.nn.utils.parametrize.register_parametrization
 
     def tracked(self, w):
         out = proxy_forward(self, w)
         made.append(weakref.ref(out))
         return out
 
+    def counted(*a, **k):
+        registered.append(a[1])
+        return register(*a, **k)
+
     monkeypatch.setattr(peft_layer._LoraFactorsProxy, "forward", tracked)
+    monkeypatch.setattr(torch.nn.utils.parametrize, "register_parametrization", counted)
     model = _peft_expert_lora(_model("qwen3_moe"))
     ids, labels = batch(model, 2, 4, "cpu", seed=6)
 
     def step():
         made.clear()
+        registered.clear()
         model.zero_grad(set_to_none=True)
         loss = model(ids, labels=labels).loss
         gc.collect()
@@ -202,16 +211,50 @@ def test_peft_expert_lora_never_forms_the_adapted_weight(monkeypatch):
         return kept, len(made), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     kept, eager_built, _ = step()
-    assert kept >= 1, "the probe does not see eager peft keep its adapted weights"
+    assert kept >= 1 and len(registered) == 2, "the probe does not see eager peft keep its adapted weights"
     forge.patch(model, backend="triton", min_elements=0)
     kept, built, low_rank = step()
-    assert kept == 0 and built == eager_built - 2, (kept, built, eager_built)  # (peft's 2 registration checks)
+    assert (kept, built, registered) == (0, 0, []), (kept, built, registered)
+    assert model._forge_guard_stats.fused("experts") == 1
+    monkeypatch.setattr(experts_patch, "_peft_adapters", lambda mod, chain: None)  # peft's own forward
+    kept, built, through_peft = step()
+    assert kept == 0 and built == eager_built - 2 and len(registered) == 2, (kept, built, eager_built)
     monkeypatch.setattr(experts_patch, "_PEFT_FACTORS", "(none)")  # read the adapted weights instead
     kept, built, merged = step()
     assert built == eager_built and model._forge_guard_stats.fallback("experts") == 0
-    assert low_rank.keys() == merged.keys() and low_rank
+    assert low_rank.keys() == merged.keys() == through_peft.keys() and low_rank
     for n in merged:
+        torch.testing.assert_close(low_rank[n], through_peft[n], rtol=0, atol=0)
         torch.testing.assert_close(low_rank[n], merged[n], rtol=1e-4, atol=1e-6)
+    forge.unpatch(model)
+    registered.clear()
+    model(ids)
+    assert len(registered) == 2, "unpatch did not give peft's wrapper its own forward back"
+
+
+def test_peft_expert_lora_disabled_or_merged():
+    """Where peft does something else than fold one adapter (adapters disabled, or merged into
+    the weights), forge's forward of its wrapper gives way to peft's own: the same logits as
+    unpatched peft, with the adapters' effect and without."""
+    model = _peft_expert_lora(_model("qwen3_moe"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(8))
+
+    def logits():
+        with torch.no_grad():
+            with model.disable_adapter():
+                off = model(ids).logits
+            on = model(ids).logits
+            model.merge_adapter()
+            merged = model(ids).logits
+            model.unmerge_adapter()
+        return off, on, merged
+
+    want = logits()
+    assert not torch.allclose(want[0], want[1], rtol=1e-3, atol=1e-3)
+    forge.patch(model, backend="triton", min_elements=0)
+    for got, ref in zip(logits(), want):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert model._forge_guard_stats.fused("experts") == 3 and model._forge_guard_stats.fallback("experts") == 0
 
 
 def test_swapped_activation_is_declined_then_falls_back():

@@ -265,7 +265,7 @@ def _walk(root, arch, p):
     _apply_glu(p, arch, mlps, lora_mlps)
     _apply_rope(p, arch, attns)
     _qkv.apply(p, attns)
-    _experts.apply(p, experts, lambda: _ready(p, _experts.KEY, experts, "expert modules"), fw._compiling)
+    _experts.apply(p, experts, lambda: _ready(p, _experts.KEY, experts, "expert modules"), fw._compiling, root)
 
 
 def _ready(p, key, found, what):

@@ -16,7 +16,12 @@ and A. Where that is all a weight's parametrization does, the kernel takes the f
 the factors as an adapter (forge.ops.experts: rank-r grouped products joining the weight's, so
 the adapted weight, one more expert stack per weight and layer, is never made, nor its gradient);
 any other parametrization is read as the module's own forward reads it, and the kernel runs on
-the weight it gives.
+the weight it gives. peft's wrapper around the module (the outermost, where several weights are
+targeted) gets a forward of forge's too, which reads the factors from the wrappers and calls the
+kernel without registering the parametrizations at all: torch evaluates a parametrization when it
+is registered, which made and dropped the adapted expert stack once per weight, layer and step.
+Where peft would do anything else (adapters disabled or merged, several active adapters) its own
+forward runs, and the module's forward above takes what it registers.
 """
 from __future__ import annotations
 
@@ -80,27 +85,99 @@ def _low_rank(mod):
 
 
 def forward_of(kernel, act_type, orig, ks, compiling):
+    def takes(self, hidden_states, gu, dn) -> bool:
+        return (type(self._modules.get("act_fn")) is act_type and hidden_states.dim() == 2
+                and hidden_states.dtype == gu.dtype and gu.dim() == 3 and dn.dim() == 3)
+
+    def run(hidden_states, top_k_index, top_k_weights, gu, dn, adapters):
+        if not compiling():
+            ks.fused += 1
+        return kernel(hidden_states, top_k_index, top_k_weights, gu, dn, act="silu", adapters=adapters)
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         low = _low_rank(self) if parametrize.is_parametrized(self) else None
         if low is not None:  # peft's LoRA on the expert weights: rank-r products, the adapted weights never made
             (gu, dn), adapters = low
         else:  # the weights as the module's own forward reads them (through any parametrization)
             (gu, dn), adapters = (self.gate_up_proj, self.down_proj), None
-        if (type(self._modules.get("act_fn")) is not act_type or hidden_states.dim() != 2
-                or hidden_states.dtype != gu.dtype or gu.dim() != 3 or dn.dim() != 3):
+        if not takes(self, hidden_states, gu, dn):
             if not compiling():
                 ks.fallback += 1
             return orig(self, hidden_states, top_k_index, top_k_weights)
-        if not compiling():
-            ks.fused += 1
-        return kernel(hidden_states, top_k_index, top_k_weights, gu, dn, act="silu", adapters=adapters)
+        return run(hidden_states, top_k_index, top_k_weights, gu, dn, adapters)
+
+    forward.takes, forward.run = takes, run
+    return forward
+
+
+# ---------------------------------------------------------------------------------------------
+# peft's wrappers around an expert module (one ParamWrapper per targeted weight, nested). Each
+# call of peft's own forward registers its parametrization, and torch evaluates a parametrization
+# once when it is registered (a check of its shape and dtype): the whole adapted expert stack is
+# made and dropped, per weight, layer and step, before the module runs. The outermost wrapper's
+# forward is replaced by one that reads the factors from every wrapper and calls the kernel.
+
+def _is_peft_param_wrapper(m) -> bool:
+    return (isinstance(getattr(m, "base_layer", None), torch.nn.Module)
+            and isinstance(getattr(m, "parameter_name", None), str)
+            and callable(getattr(m, "get_delta_factors", None)))
+
+
+def _peft_chain(root, experts_mods):
+    """{id(expert module): [its peft ParamWrappers, innermost first]} for the modules that have any."""
+    wrapper_of = {id(m.base_layer): m for m in root.modules() if _is_peft_param_wrapper(m)}
+    chains = {}
+    for mod in experts_mods:
+        chain, cur = [], mod
+        while id(cur) in wrapper_of:
+            cur = wrapper_of[id(cur)]
+            chain.append(cur)
+        if chain:
+            chains[id(mod)] = chain
+    return chains
+
+
+def _peft_adapters(mod, chain):
+    """The (gate_up, down) adapters (a, b, scale), or None for a weight without one, that peft's
+    wrappers ``chain`` would fold into ``mod``'s weights as W + scale * b @ a with one baddbmm
+    (one active adapter, several experts, adapters enabled and not merged); None where peft would
+    do anything else (its own forward then runs)."""
+    found = {}
+    for w in chain:
+        if w.disable_adapters or w.merged:
+            return None
+        names = [a for a in w.active_adapters if a in w.lora_A]
+        if not names:
+            continue  # no adapter on this weight: peft leaves it as it is
+        name = w.parameter_name
+        if (len(names) != 1 or getattr(w, "num_experts", 1) <= 1 or name not in WEIGHTS or name in found
+                or parametrize.is_parametrized(mod, name)):
+            return None
+        b, a, scale = w.get_delta_factors(names[0])
+        if not isinstance(scale, (int, float)):
+            return None
+        found[name] = (a, b, float(scale))
+    return tuple(found.get(n) for n in WEIGHTS)
+
+
+def peft_forward_of(mod, fwd, chain, orig):
+    """The outermost wrapper's forward: the kernel on the frozen weights and every wrapper's
+    factors, or peft's own forward (``orig``) where the call or the adapters ask for it."""
+    def forward(self, hidden_states, *args, **kwargs):
+        adapters = None
+        if len(args) == 2 and not kwargs and fwd.takes(mod, hidden_states, mod.gate_up_proj, mod.down_proj):
+            adapters = _peft_adapters(mod, chain)
+        if adapters is None:
+            return orig(self, hidden_states, *args, **kwargs)
+        return fwd.run(hidden_states, *args, mod.gate_up_proj, mod.down_proj, adapters)
 
     return forward
 
 
-def apply(p, found, ready, compiling) -> None:
+def apply(p, found, ready, compiling, root=None) -> None:
     """``found``: (name, module) of every expert module; ``ready()``: the kernel
-    (forge.ops.get("experts", backend)), or None where the key is declined."""
+    (forge.ops.get("experts", backend)), or None where the key is declined; ``root``: the module
+    to look for peft's wrappers of the expert weights in."""
     if not found:
         if p.wants(KEY):
             p.skip(KEY, f"{p.arch.model_type} has no mixture-of-experts modules", applies=False)
@@ -109,6 +186,7 @@ def apply(p, found, ready, compiling) -> None:
     if kernel is None:
         return
     ks, why = p.stats.counter(KEY), []
+    chains = _peft_chain(root, [m for _, m in found]) if root is not None else {}
     for name, mod in found:
         if p.is_replaced(mod):
             continue
@@ -118,6 +196,10 @@ def apply(p, found, ready, compiling) -> None:
             continue
         fwd = forward_of(kernel, type(mod._modules["act_fn"]), type(mod).forward, ks, compiling)
         p.replace_forward(mod, KEY, types.MethodType(fwd, mod))
+        outer = chains.get(id(mod), [None])[-1]
+        if outer is not None and "forward" not in outer.__dict__:  # (not one someone else replaced)
+            p.replace_forward(outer, KEY, types.MethodType(peft_forward_of(mod, fwd, chains[id(mod)],
+                                                                           type(outer).forward), outer), count=False)
     if why:
         more = f" (+{len(why) - 3} more)" if len(why) > 3 else ""
         p.skip(KEY, f"{len(why)} of {len(found)} expert modules keep their own forward: "
