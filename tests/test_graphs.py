@@ -14,6 +14,7 @@ from forge import _runtime
 _runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
 
 import copy  # noqa: E402
+import types  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -316,7 +317,7 @@ def _sgd(model, lr=1e-2):
                          [(a, False, "triton") for a in ARCHS] + [("qwen2", True, "triton")]
                          + [("qwen2", False, "pallas"), ("gemma2", False, "pallas"), ("qwen2", True, "pallas")]
                          # mixtures of experts: the routing has no host sync, so their layers capture
-                         + [("qwen3_moe", False, "triton"), ("mixtral", False, "pallas")])
+                         + [("qwen3_moe", False, "triton"), ("mixtral", False, "pallas"), ("olmoe", False, "triton")])
 def test_replayed_steps_match_uncaptured(model_type, recompute_mlp, backend, math_sdpa):
     plain, graphed = _twins(model_type, recompute_mlp, backend)
     ids, labels = _ids(plain, 2, 256, "cuda")
@@ -346,6 +347,21 @@ def test_device_bound_passes_run_uncaptured(monkeypatch, math_sdpa):
     for step in range(3):
         _same(_step(graphed, small_ids, small_labels), _step(plain, small_ids, small_labels), f"small step {step}")
     assert st.captures == 1 and st.replayed == 2, st  # small steps: 0 uncaptured, 1 captures, 2 replays
+
+
+@pytest.mark.parametrize("model_type,scale", [("qwen2", 1), ("olmoe", None), ("mixtral", None)])
+def test_mixtures_of_experts_stay_captured_to_larger_passes(model_type, scale):
+    # the device-bound size is scaled by num_experts / top_k for a mixture of experts' layers
+    # (capped), by 1 for dense ones
+    model = build_model(model_type)
+    cfg = model.config
+    mods = [list(layer.modules()) for layer in model.model.layers]
+    if scale is None:
+        e = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        scale = min(graphs_mod.MOE_BOUND_SCALE, e // cfg.num_experts_per_tok)
+        assert scale > 1
+    assert graphs_mod._bound_scale(cfg, mods) == scale
+    assert graphs_mod._bound_scale(types.SimpleNamespace(), mods) == 1  # a config it cannot read: the dense bound
 
 
 @pytest.mark.gpu
@@ -570,6 +586,29 @@ def test_inference_prefill_replays_into_the_kv_cache(math_sdpa):
     assert g.stats.decode_captures == 1 and g.stats.decode_replayed == 4, g.stats
     prefill = ("attention mask", "KV cache (not an empty DynamicCache in a forward without grad)")
     assert sum(g.stats.why.get(w, 0) for w in prefill) == 2, g.stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["olmoe", "qwen3_moe"])
+def test_moe_inference_replays_and_router_logits_run_uncaptured(model_type, math_sdpa):
+    # a mixture of experts' decoder loop passes output_router_logits to its layers: false, the
+    # prefill replays; true, transformers records the router logits with hooks, and the pass
+    # runs uncaptured with the same logits and router logits
+    plain = _gpu_model(model_type).eval()
+    graphed = copy.deepcopy(plain)
+    forge.patch(plain, mode="infer", backend="triton", min_elements=0)
+    forge.patch(graphed, mode="infer", backend="triton", min_elements=0, graphs=True)
+    g = graphed._forge_graphs
+    with torch.no_grad():
+        for seed in range(3):
+            ids, _ = _ids(plain, 2, 64, "cuda", seed=seed)
+            assert torch.equal(graphed(ids).logits, plain(ids).logits), seed
+        assert g.stats.captures == 1 and g.stats.replayed == 2, g.stats
+        a, b = graphed(ids, output_router_logits=True), plain(ids, output_router_logits=True)
+    assert torch.equal(a.logits, b.logits)
+    assert len(a.router_logits) == len(b.router_logits) == plain.config.num_hidden_layers
+    assert all(torch.equal(x, y) for x, y in zip(a.router_logits, b.router_logits))
+    assert g.stats.replayed == 2 and g.stats.why.get("module hooks", 0) + g.stats.why.get("router logits recorded", 0) == 1
 
 
 def test_a_cublas_workspace_clear_makes_captured_sets_stale(monkeypatch):

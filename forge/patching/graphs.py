@@ -68,6 +68,7 @@ from torch import nn
 
 from ..ops.gated_mlp import _any_autocast
 from ..spec._check import no_double_backward
+from . import experts as _experts
 from .guard import CAPTURE
 
 MAX_SETS = 4          # input shapes captured per model; calls of further shapes run uncaptured
@@ -80,10 +81,21 @@ ATTN_OK = ("sdpa", "eager")
 # elements, replayed 1.51x eager against 1.52x uncaptured; Llama-3-8B train 4x1024, 16.8M,
 # 1.15x against 1.21x with 13.5 GB held; 4x1024 at 0.5B, 3.7M, 2.78x against 1.32x).
 DEVICE_BOUND_ELEMENTS = 1 << 23
+# A mixture of experts' layer does about top_k / num_experts of a dense layer's products per row
+# of hidden state, behind more host work (routing, grouped products, adapters): where its expert
+# weights take no gradient (LoRA, inference) its passes stay host-bound to larger sizes, and the
+# bound above is scaled by num_experts / top_k, at most by this. Where they do (a full fine-tune)
+# their weight-gradient products bind the device as a dense layer's do: the bound stays. (H100,
+# docs/moe.md, 4 x 1024 at 2^23 elements: OLMoE-1B-7B, top-8 of 64, LoRA 76.6 ms replayed against
+# 96.9 uncaptured, Qwen3-30B-A3B at 16 layers 87.2 against 151; full fine-tune of the latter 125
+# against 120.)
+MOE_BOUND_SCALE = 8
 # arguments HF's decoder loops pass; position_ids / cache_position / num_items_in_batch are not
-# read by sdpa or eager attention without a cache
+# read by sdpa or eager attention without a cache; a mixture of experts' loop passes
+# output_router_logits on to its layers, which no layer reads (transformers records the router
+# logits with forward hooks on the routers, which keep a pass uncaptured: see _hooked)
 _KWARGS = frozenset({"attention_mask", "position_embeddings", "position_ids", "cache", "past_key_values",
-                     "use_cache", "cache_position", "num_items_in_batch"})
+                     "use_cache", "cache_position", "num_items_in_batch", "output_router_logits"})
 _module_mod = nn.modules.module
 
 
@@ -97,6 +109,23 @@ def decoder_layers(root):
         if "forward" in layer.__dict__:
             return None, f"decoder layer {i} already has an instance-level forward (hooks of another library)"
     return list(layers), None
+
+
+def _is_experts(m) -> bool:
+    return _experts.is_experts(type(m), m)
+
+
+def _bound_scale(config, mods) -> int:
+    """How much larger a pass of these layers whose expert weights take no gradient may be than
+    DEVICE_BOUND_ELEMENTS and stay worth capturing: num_experts / top_k (at most
+    MOE_BOUND_SCALE) where a layer holds a mixture of experts, else 1."""
+    if not any(_is_experts(m) for ms in mods for m in ms):
+        return 1
+    e = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    k = getattr(config, "num_experts_per_tok", None)
+    if not (isinstance(e, int) and isinstance(k, int) and 0 < k <= e):
+        return 1
+    return max(1, min(MOE_BOUND_SCALE, e // k))
 
 
 def graph_pool_bytes(model, whole: bool = False) -> int:
@@ -287,6 +316,8 @@ class Graphs:
         self.paused = False  # a decoding step of forge.patching.decode runs: the layers run uncaptured
         self.decode = None  # forge.patching.decode's Decoder, when installed
         self._mods = [list(layer.modules()) for layer in layers]
+        self.bound_scale = _bound_scale(root.config, self._mods)
+        self._expert_weights = [p for ms in self._mods for m in ms if _is_experts(m) for p in m.parameters()]
         try:
             from transformers.cache_utils import DynamicCache as _DC
         except ImportError:  # pragma: no cover - every supported transformers has it
@@ -448,6 +479,8 @@ class Graphs:
             return "arguments other than HF's decoder loop's"
         if kwargs.get("attention_mask") is not None:
             return "attention mask"
+        if kwargs.get("output_router_logits"):
+            return "router logits recorded"
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is not None and (traced or grad or type(cache) is not self._dynamic_cache
                                   or cache.get_seq_length() != 0):
@@ -469,8 +502,10 @@ class Graphs:
             return why
         if not isinstance(x, torch.Tensor) or type(x) not in (torch.Tensor, nn.Parameter) or not x.is_cuda:
             return "hidden states not a CUDA tensor"
-        if x.numel() >= DEVICE_BOUND_ELEMENTS:
-            return f"bound by the device (hidden states of {DEVICE_BOUND_ELEMENTS} elements or more)"
+        bound = DEVICE_BOUND_ELEMENTS * (1 if grad and any(p.requires_grad for p in self._expert_weights)
+                                         else self.bound_scale)
+        if x.numel() >= bound:
+            return f"bound by the device (hidden states of {bound} elements or more)"
         if self._hooked():
             return "module hooks"
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
