@@ -202,11 +202,16 @@ def main(argv=None):
     p.add_argument("--lora", nargs="?", const="16,32,0.05", default=None, metavar="R,ALPHA,DROPOUT[,MODULE...]",
                    help="peft LoRA, as bench_patch_bisect.py's --lora")
     p.add_argument("--quick", action="store_true", help="tiny preset on the CPU")
+    p.add_argument("--experts-impl", default="grouped_mm",
+                   help="a mixture of experts' implementation in transformers for the unpatched model")
     bc.add_out_argument(p)
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
     name = "tiny" if a.quick else a.model
     model = build(name, torch.bfloat16 if dev == "cuda" else torch.float32, dev, layers=None if a.quick else a.layers)
+    if hasattr(model, "set_experts_implementation") and (getattr(model.config, "num_experts", None)
+                                                           or getattr(model.config, "num_local_experts", None)):
+        model.set_experts_implementation(a.experts_impl)
     if a.lora:
         model = _lora(model, a.lora)
     model.train(a.mode == "train")

@@ -216,6 +216,18 @@ def test_experts_oracle_gpu(backend, shape, dtype, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rank", [16, 128], ids=["r16", "r128"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expert_adapters_oracle_gpu(backend, rank, device):
+    # the compiled low-rank loop at OLMoE's expert shape (fewer experts, the same tiles): rank 16
+    # in one K step, rank 128 over several (wider than either backend's bf16 K step)
+    fn = _experts(backend)
+    tensors = _case(1024, 2048, 1024, 8, 2, dtype=torch.bfloat16)
+    tensors = {n: v.to(device) for n, v in _with_adapters(tensors, r=rank).items()}
+    check_op(_lora(fn), _lora_ref, tensors, diff=LORA_DIFF, reductions=_lora_reductions(tensors))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_experts_step_without_host_sync(backend, device):
     # routing, every piece and the backward stay on the device (torch raises at a synchronizing
