@@ -37,7 +37,10 @@ runs the forward as patched without graphs (counted in ``stats``, with the reaso
   None (the causal mask left to SDPA), no KV cache but an empty ``DynamicCache`` without grad
   (the fused loss asks the decoder for none in training; ``generate()``'s decoding steps are
   captured whole by ``decode.py`` in mode="infer"), attention ``sdpa`` or ``eager`` (position_ids
-  unused), no other arguments, no hooks on the layers or their modules,
+  unused), ``output_router_logits`` false (a mixture of experts' loop passes it; when true,
+  transformers records the routers' outputs with hooks), no other arguments, no hooks on the
+  layers or their modules, fewer hidden-state elements than DEVICE_BOUND_ELEMENTS (for a mixture
+  of experts whose expert weights take no gradient, up to MOE_BOUND_SCALE times more),
   parameters the same tensors at the same addresses with the same requires_grad as captured;
 - the layers are called in order 0..N-1, each on the previous one's output with the same cos/sin
   (anything else ends the pass's replay, and the rest of the pass runs uncaptured);
