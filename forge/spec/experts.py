@@ -147,18 +147,20 @@ def route(top_k_index, n_experts: int):
     """The routing of the contract above, on the device with no host sync: returns
     (row_token (S,), offsets (E,), slot_rows (T, K)), all int32."""
     t, k = top_k_index.shape
-    ids = top_k_index.reshape(-1).long()
-    valid = (ids >= 0) & (ids < n_experts)
-    ids = torch.where(valid, ids, torch.full_like(ids, n_experts))
+    # ids outside [0, E) become E (sorted last, in no group): clamp to [-1, E], then -1 -> E
+    ids = top_k_index.reshape(-1).long().clamp(-1, n_experts).remainder_(n_experts + 1)
     sorted_ids, order = torch.sort(ids, stable=True)
     row_token = torch.div(order, k, rounding_mode="floor").to(torch.int32)
     # expert e's end row is the number of sorted ids below e + 1: a search over the sorted ids
     # (torch.bincount would read the ids' maximum back to the host on CUDA, a sync that also
     # rules out capturing the step in a CUDA graph)
-    bounds = torch.arange(1, n_experts + 1, device=ids.device)
-    offsets = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
-    rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    slot_rows = torch.where(valid, rows, torch.full_like(rows, -1)).to(torch.int32).reshape(t, k)
+    bounds = torch.arange(1, n_experts + 1, device=ids.device, dtype=ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    s = order.numel()
+    rows = torch.empty(s, dtype=torch.int32, device=ids.device).scatter_(
+        0, order, torch.arange(s, dtype=torch.int32, device=ids.device))
+    # (a decoding step runs this per layer: few launches, each of them a cost at one token)
+    slot_rows = rows.masked_fill_(rows >= offsets[-1:], -1).reshape(t, k)
     return row_token, offsets, slot_rows
 
 
