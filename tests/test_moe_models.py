@@ -232,6 +232,24 @@ def test_peft_expert_lora_never_forms_the_adapted_weight(monkeypatch):
     assert len(registered) == 2, "unpatch did not give peft's wrapper its own forward back"
 
 
+def test_peft_expert_lora_compiles_whole():
+    """forge's forward of peft's wrapper (factors read, no parametrization registered) traces
+    into one graph under torch.compile (fullgraph, aot_eager on the CPU): the loss and every
+    adapter gradient those of the same patched model uncompiled."""
+    model = _peft_expert_lora(_model("qwen3_moe"))
+    ids, labels = batch(model, 2, 4, "cpu", seed=9)
+    forge.patch(model, backend="triton", min_elements=0)
+    torch._dynamo.reset()
+    want = run(model, ids, labels)
+    got = run(torch.compile(model, backend="aot_eager", fullgraph=True), ids, labels)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    grads = {n.removeprefix("_orig_mod."): g for n, g in got[2].items()}
+    assert grads.keys() == want[2].keys() and any("lora_A" in n for n in want[2])
+    for n in want[2]:
+        torch.testing.assert_close(grads[n], want[2][n], rtol=1e-5, atol=1e-7)
+
+
 def test_peft_expert_lora_disabled_or_merged():
     """Where peft does something else than fold one adapter (adapters disabled, or merged into
     the weights), forge's forward of its wrapper gives way to peft's own: the same logits as
