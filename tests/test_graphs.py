@@ -137,6 +137,34 @@ def test_cpu_calls_run_uncaptured_and_unpatch_restores():
         assert torch.equal(model(ids).logits, before)
 
 
+def test_transformers_recording_hooks_count_only_while_a_call_records():
+    # transformers installs its output-recording hooks the first time a call asks for hidden
+    # states (or attentions, or router logits) and leaves them: between such calls they return at
+    # once and do not keep passes from being captured; while a call records, or any other hook,
+    # they do
+    recording = pytest.importorskip("transformers.utils.output_capturing",
+                                    reason="transformers without output-recording hooks (before 5.x)")
+    model = build_model("qwen2", attn_implementation="sdpa")
+    forge.patch(model, kernels=["rmsnorm"], graphs=True)
+    g = model._forge_graphs
+    assert not g._hooked()
+    ids, _ = _ids(model, 1, 4, "cpu")
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert any(m._forward_hooks for m in model.model.layers.modules()), "transformers installed no hooks"
+    assert not g._hooked()
+    token = recording._active_collector.set({"hidden_states": []})
+    try:
+        assert g._hooked()
+    finally:
+        recording._active_collector.reset(token)
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert g._hooked()
+    handle.remove()
+    assert not g._hooked()
+
+
 def test_fused_loss_asks_for_no_kv_cache_unless_given(device):
     model = build_model("qwen2", attn_implementation="sdpa").to(device)
     ids, labels = _ids(model, 1, 6, device)

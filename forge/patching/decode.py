@@ -42,6 +42,7 @@ from torch import nn
 from .. import ops
 from ..ops.gated_mlp import _any_autocast
 from . import decode_loop
+from .graphs import _inert_recorder
 from . import decode_runtime as rt
 from .patcher import TORCH
 
@@ -302,8 +303,7 @@ class Decoder:
         if _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks:
             return True
         for m in self._mods[1:]:
-            if m._forward_pre_hooks or any(getattr(h, "__name__", "") != "output_capturing_hook"
-                                           for h in m._forward_hooks.values()):
+            if m._forward_pre_hooks or not all(map(_inert_recorder, m._forward_hooks.values())):
                 return True
         return False
 

@@ -39,7 +39,8 @@ runs the forward as patched without graphs (counted in ``stats``, with the reaso
   captured whole by ``decode.py`` in mode="infer"), attention ``sdpa`` or ``eager`` (position_ids
   unused), ``output_router_logits`` false (a mixture of experts' loop passes it; when true,
   transformers records the routers' outputs with hooks), no other arguments, no hooks on the
-  layers or their modules, fewer hidden-state elements than DEVICE_BOUND_ELEMENTS (for a mixture
+  layers or their modules (transformers' output-recording hooks count only while a call
+  records), fewer hidden-state elements than DEVICE_BOUND_ELEMENTS (for a mixture
   of experts whose expert weights take no gradient, up to MOE_BOUND_SCALE times more),
   parameters the same tensors at the same addresses with the same requires_grad as captured;
 - the layers are called in order 0..N-1, each on the previous one's output with the same cos/sin
@@ -63,6 +64,7 @@ graphs would capture forge's replays).
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import weakref
 
@@ -112,6 +114,20 @@ def decoder_layers(root):
         if "forward" in layer.__dict__:
             return None, f"decoder layer {i} already has an instance-level forward (hooks of another library)"
     return list(layers), None
+
+
+def _inert_recorder(hook) -> bool:
+    """transformers' output-recording hook while no call records: transformers installs it on
+    the layers (hidden states, attentions) or the routers (router logits) the first time a call
+    asks for them, and leaves it there; between such calls it returns at once, so a replay that
+    skips it loses nothing. While a call records (or for any other hook) this is False."""
+    if getattr(hook, "__name__", None) != "output_capturing_hook":
+        return False
+    collector = getattr(sys.modules.get(getattr(hook, "__module__", None) or ""), "_active_collector", None)
+    try:
+        return collector is not None and collector.get() is None
+    except Exception:  # noqa: BLE001 - another library's hook of that name: a hook like any other
+        return False
 
 
 def _is_experts(m) -> bool:
@@ -553,7 +569,9 @@ class Graphs:
             return True
         for mods in self._mods:
             for m in mods:
-                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                if m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                    return True
+                if m._forward_hooks and not all(map(_inert_recorder, m._forward_hooks.values())):
                     return True
         return False
 
