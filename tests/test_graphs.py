@@ -590,6 +590,31 @@ def test_peft_lora_replay_matches_uncaptured(dropout, math_sdpa):
 
 
 @pytest.mark.gpu
+def test_peft_expert_lora_replay_matches_uncaptured(math_sdpa):
+    """peft's LoRA on the expert weights (forge's forward of peft's wrapper: the factors read
+    inside the captured layer) and on attention: replays bit-equal to uncaptured steps as the
+    adapters train."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    plain = peft.get_peft_model(_gpu_model("qwen3_moe"), cfg)
+    with torch.no_grad():
+        for n, p in plain.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02)
+    graphed = copy.deepcopy(plain)
+    forge.patch(plain, backend="triton", min_elements=0)
+    forge.patch(graphed, backend="triton", min_elements=0, graphs=True)
+    ids, labels = _ids(plain, 2, 128, "cuda")
+    for step in range(3):
+        _same(_step(graphed, ids, labels), _step(plain, ids, labels), f"expert lora step {step}")
+        _sgd(plain)
+        _sgd(graphed)
+    assert graphed._forge_graphs.stats.replayed == 2, graphed._forge_graphs.stats
+    assert graphed._forge_guard_stats.fallback("experts") == 0
+
+
+@pytest.mark.gpu
 def test_inference_prefill_replays_into_the_kv_cache(math_sdpa):
     plain = _gpu_model("gemma2").eval()  # gemma2: sliding-window cache layers too
     graphed = copy.deepcopy(plain)
