@@ -150,8 +150,7 @@ def _peft_adapters(mod, chain):
         if not names:
             continue  # no adapter on this weight: peft leaves it as it is
         name = w.parameter_name
-        if (len(names) != 1 or getattr(w, "num_experts", 1) <= 1 or name not in WEIGHTS or name in found
-                or parametrize.is_parametrized(mod, name)):
+        if len(names) != 1 or getattr(w, "num_experts", 1) <= 1 or name not in WEIGHTS or name in found:
             return None
         b, a, scale = w.get_delta_factors(names[0])
         if not isinstance(scale, (int, float)):
@@ -165,11 +164,13 @@ def peft_forward_of(mod, fwd, chain, orig):
     factors, or peft's own forward (``orig``) where the call or the adapters ask for it."""
     def forward(self, hidden_states, *args, **kwargs):
         adapters = None
-        if len(args) == 2 and not kwargs and fwd.takes(mod, hidden_states, mod.gate_up_proj, mod.down_proj):
-            adapters = _peft_adapters(mod, chain)
+        if len(args) == 2 and not kwargs and not parametrize.is_parametrized(mod):  # (plain weights)
+            gu, dn = mod.gate_up_proj, mod.down_proj
+            if fwd.takes(mod, hidden_states, gu, dn):
+                adapters = _peft_adapters(mod, chain)
         if adapters is None:
             return orig(self, hidden_states, *args, **kwargs)
-        return fwd.run(hidden_states, *args, mod.gate_up_proj, mod.down_proj, adapters)
+        return fwd.run(hidden_states, *args, gu, dn, adapters)
 
     return forward
 
