@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import forge  # noqa: E402
 from forge.patching import stacking  # noqa: E402
 from bench_generate import _forget_compiled  # noqa: E402
-from presets import PRESETS, build  # noqa: E402
+from presets import PRESETS, build, is_moe  # noqa: E402
 
 STACK_DEFAULT = stacking.STACK_INFER
 
@@ -50,8 +50,12 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated, of {', '.join(VARIANTS)} ('apart': STACK_INFER off)")
+    p.add_argument("--experts-impl", default="grouped_mm", choices=["grouped_mm", "eager"],
+                   help="MoE presets: transformers' experts implementation the unpatched variants run")
     a = p.parse_args(argv)
     model = build(a.model, torch.bfloat16, torch.device("cuda")).eval()
+    if is_moe(a.model):  # (static + compile runs it; forge's variants patch the experts)
+        model.set_experts_implementation(a.experts_impl)
     vocab = PRESETS[a.model]["vocab_size"]
     for b in map(int, a.batches.split(",")):
         ids = torch.randint(0, vocab, (b, a.prompt), device="cuda")
