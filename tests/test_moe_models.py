@@ -332,6 +332,24 @@ def test_expert_adapters_are_checked():
         fn(x, idx, w, gu, dn, adapters=good)
 
 
+def test_expert_adapters_under_autocast_merge_in_the_weights_dtype():
+    """Under autocast the adapters are merged into fp32 weights before the node casts them, as
+    peft folds them (autocast off, in the weights' dtype): the same bits as the node on weights
+    merged outside autocast, not a merge computed in bf16."""
+    fn = ops.get("experts", "triton")
+    e, h, i, r = 4, 16, 8, 2
+    g = torch.Generator().manual_seed(3)
+    x, gu, dn = torch.randn(5, h, generator=g), torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    idx, w = torch.randint(0, e, (5, 2), generator=g), torch.rand(5, 2, generator=g)
+    ads = ((torch.randn(e, r, h, generator=g), torch.randn(e, 2 * i, r, generator=g), 2.0),
+           (torch.randn(e, r, i, generator=g), torch.randn(e, h, r, generator=g), 0.5))
+    m_gu, m_dn = (torch.baddbmm(wt, ad[1], ad[0], alpha=ad[2]) for wt, ad in zip((gu, dn), ads))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fn(x, idx, w, gu, dn, adapters=ads)
+        want = fn(x, idx, w, m_gu, m_dn)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_expert_lora_terms_join_the_products():
     """The adapters' up-projections join their weights' grouped products (``low=`` of the pieces),
     so the node makes no element-wise pass of its own over the routed rows' activations: the only

@@ -3,6 +3,8 @@
 bounded cache of what passed), the eager node, and under torch.compile the node's op pair."""
 from __future__ import annotations
 
+import contextlib
+
 import functools
 
 import torch
@@ -103,8 +105,9 @@ def experts(backend: str, pieces: dict, check_devices):
         cast = dev and _autocast.target(dev, hidden, gate_up_proj, down_proj)
         if adapters is not None:
             _experts.check_adapters(adapters, gate_up_proj, down_proj, gate_up_proj.dtype)
-            if cast or _through_ops():
-                gate_up_proj, down_proj = _experts.merged(gate_up_proj, down_proj, adapters)
+            if cast or _through_ops():  # (merged in the weights' dtype, autocast off, as peft folds them)
+                with _autocast.off(dev) if cast else contextlib.nullcontext():
+                    gate_up_proj, down_proj = _experts.merged(gate_up_proj, down_proj, adapters)
                 adapters = None
         if cast:  # eager's expert products run in the autocast dtype: so do the node's; the
             # router's scores stay as given and the output comes back in hidden's dtype, as
