@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from forge.spec import experts as X
 from forge_pallas import experts as _k
 
 from . import core, runtime
@@ -22,6 +23,7 @@ GLU_BWD = core.KernelDef("experts_glu_bwd", _k.glu_bwd, None, diff=())
 WGRAD = core.KernelDef("experts_grouped_wgrad", _k.grouped_wgrad, None, diff=())
 UNPERMUTE = core.KernelDef("experts_unpermute", _k.unpermute, None, diff=())
 UNPERMUTE_BWD = core.KernelDef("experts_unpermute_bwd", _k.unpermute_bwd, None, diff=())
+ROUTE = core.KernelDef("experts_route", _k.route, None, diff=())
 
 
 def _one(out):
@@ -81,8 +83,21 @@ def unpermute_bwd(dout, y, slot_rows, weights):
     return tuple(core.apply(UNPERMUTE_BWD, dout, y, slot_rows, weights))
 
 
+def route(top_k_index, n_experts):
+    """forge.spec.experts.route, in one Pallas launch for at most ``ROUTE_ROWS`` routed rows
+    (torch's route past that)."""
+    t, k = top_k_index.shape
+    if t * k > _k.ROUTE_ROWS or t * k == 0:
+        return X.route(top_k_index, n_experts)
+    ids = top_k_index.reshape(t * k)
+    if ids.dtype == torch.int64:  # (narrowed to int32 on the way to JAX: no id past int32 may wrap into range)
+        ids = ids.clamp(-1, n_experts)
+    row_token, offsets, slot_rows = core.apply(ROUTE, ids, n_exp=n_experts, top_k=k)
+    return row_token, offsets, slot_rows.view(t, k)
+
+
 def experts_pieces() -> dict:
     """The pieces forge.ops.experts builds the expert block's node from."""
     return {"glu_fwd": glu_fwd, "grouped_mm": grouped_mm, "unpermute": unpermute,
             "unpermute_bwd": unpermute_bwd, "glu_bwd": glu_bwd, "grouped_mm_t": grouped_mm_t,
-            "grouped_wgrad": grouped_wgrad, "device_type": "cpu" if runtime.interpret() else "cuda"}
+            "grouped_wgrad": grouped_wgrad, "route": route, "device_type": "cpu" if runtime.interpret() else "cuda"}

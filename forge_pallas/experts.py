@@ -105,6 +105,56 @@ def unpermute_bwd(dout, y, slot_rows, weights):
     return (dy, dw), ()
 
 
+# The routing of forge/spec/experts.py (``route``) in one program, for few routed rows (a decoding
+# step): a row's key is its expert id, or E outside [0, E); its sorted position counts the rows
+# with a smaller key and those with the same key before it (the stable sort's order, by
+# comparisons). slot_rows[i] = rank[i] (-1 for key E), row_token[rank[i]] = i // K, offsets[e] =
+# the rows with key <= e: bit-equal to torch's route.
+ROUTE_ROWS, ROUTE_PAIRS = 256, 4096  # the rows it takes; the (rows x rows) pairs of one step
+
+
+def _route_key(ids_ref, rows, mask, n_exp):
+    idx = C.load(ids_ref.at[rows], mask=mask, other=0)
+    key = jnp.where((idx >= 0) & (idx < n_exp), idx, n_exp).astype(jnp.int32)
+    return jnp.where(mask, key, n_exp + 1)  # (lanes past the rows: after every row, never counted)
+
+
+def _route_kernel(ids_ref, tok_ref, off_ref, slot_ref, *, n_exp, top_k, bs, bj, be):
+    s = ids_ref.shape[0]
+    ri = jnp.arange(bs, dtype=jnp.int32)
+    imask = ri < s
+    key_i = _route_key(ids_ref, C.ds(0, bs), imask, n_exp)
+
+    def body(jb, rank):
+        rj = jb * bj + jnp.arange(bj, dtype=jnp.int32)
+        key_j = _route_key(ids_ref, pl.ds(jb * bj, bj), rj < s, n_exp)
+        before = (key_j[None, :] < key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (rj[None, :] < ri[:, None]))
+        return rank + jnp.sum(before.astype(jnp.int32), axis=1)
+
+    rank = lax.fori_loop(C.i32(0), C.i32(C.cdiv(s, bj)), body, jnp.zeros((bs,), jnp.int32))
+    C.store(slot_ref.at[C.ds(0, bs)], jnp.where(key_i < n_exp, rank, -1), mask=imask)
+    C.store(tok_ref.at[K._off_rows(rank, imask)], lax.div(ri, jnp.int32(top_k)), mask=imask)
+    for e0 in range(0, n_exp, be):
+        es = e0 + jnp.arange(be, dtype=jnp.int32)
+        C.store(off_ref.at[C.ds(e0, be)], jnp.sum((key_i[None, :] <= es[:, None]).astype(jnp.int32), axis=1),
+                mask=es < n_exp)
+
+
+def route(ids, *, n_exp, top_k):
+    """((row_token (S,), offsets (E,), slot_rows (S,)), ()) of the flat expert ids (S,), S at most
+    ROUTE_ROWS; int32."""
+    s = ids.shape[0]
+    bs = max(16, C.next_power_of_2(s))
+    pair = max(16, ROUTE_PAIRS // bs)
+    kern = functools.partial(_route_kernel, n_exp=n_exp, top_k=top_k, bs=bs, bj=min(bs, pair),
+                             be=min(max(16, C.next_power_of_2(n_exp)), pair))
+    i32 = jnp.int32
+    outs = C.triton_call(kern, name="experts_route", grid=(1,), num_warps=4,
+                         out_shape=(jax.ShapeDtypeStruct((s,), i32), jax.ShapeDtypeStruct((n_exp,), i32),
+                                    jax.ShapeDtypeStruct((s,), i32)))(ids)
+    return tuple(outs), ()
+
+
 # ``low``: none, or (a2 (S, r), w2) with the static ``scale``: a LoRA adapter's rank-r term that
 # joins the product (forge/ops/experts.py)
 def glu_fwd(x, row_token, offsets, gate_up_proj, *low, act, scale=None):

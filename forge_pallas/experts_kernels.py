@@ -48,12 +48,20 @@ COL_BLOCK = 128
 _FAR = 1 << 30  # an end row no slot reaches, a row past any array
 
 
-def _tiles(kind, dt):
-    """TILES[kind] for elements of ``dt``: TILES hold 2-byte elements' K step, wider elements a
-    step as many bytes deep (the pipeline's stages then fit the shared memory)."""
+# Few rows (S up to FEW_ROWS: a decoding step): narrow row tiles, more column programs (as
+# forge_triton.experts.TILES_FEW; bench/diagnostics/tune_experts_pallas.py --few)
+FEW_ROWS = 256
+TILES_FEW = {"plain": (16, 64, 128, 4, 4), "glu": (16, 64, 128, 4, 4)}
+
+
+def _tiles(kind, dt, rows=None):
+    """TILES[kind] (TILES_FEW[kind] for at most FEW_ROWS ``rows``) for elements of ``dt``: they
+    hold 2-byte elements' K step, wider elements a step as many bytes deep (the pipeline's stages
+    then fit the shared memory)."""
     if C.interpret():
         return _INTERPRET_TILES
-    bm, bn, bk, warps, stages = TILES[kind]
+    few = rows is not None and rows <= FEW_ROWS and kind in TILES_FEW
+    bm, bn, bk, warps, stages = (TILES_FEW if few else TILES)[kind]
     return bm, bn, max(16, bk * 2 // jnp.dtype(dt).itemsize), warps, stages
 
 
@@ -153,7 +161,7 @@ def gmm(a, w, offsets, *low, trans_w, scale=None):
     s = a.shape[0]
     n_exp = w.shape[0]
     n = w.shape[1] if trans_w else w.shape[2]
-    bm, bn, bk, warps, stages = _tiles("plain", a.dtype)
+    bm, bn, bk, warps, stages = _tiles("plain", a.dtype, s)
     kern = functools.partial(_gmm_kernel, n_exp=n_exp, trans_w=trans_w, bm=bm, bn=bn, bk=bk, scale=scale)
     return C.triton_call(kern, name="experts_gmm" if trans_w else "experts_gmm_t",
                          grid=(slots(s, n_exp, bm), C.cdiv(n, bn)), num_warps=warps, num_stages=stages,
@@ -197,7 +205,7 @@ def glu_fwd(x, row_token, offsets, gate_up_proj, *low, kind, scale=None):
     s = row_token.shape[0]
     n_exp, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
-    bm, bn, bk, warps, stages = _tiles("glu", x.dtype)
+    bm, bn, bk, warps, stages = _tiles("glu", x.dtype, s)
     kern = functools.partial(_glu_fwd_kernel, n_exp=n_exp, kind=kind, bm=bm, bn=bn, bk=bk, scale=scale)
     return C.triton_call(kern, name="experts_glu_fwd", grid=(slots(s, n_exp, bm), C.cdiv(inter, bn)),
                          num_warps=warps, num_stages=stages, out_shape=(jax.ShapeDtypeStruct((s, inter), x.dtype),

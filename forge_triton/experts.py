@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from forge.spec import experts as X
+
 from . import _common, _launch
 from ._common import cast
 from .glu import _act_and_grad
@@ -28,17 +30,29 @@ EPI_PLAIN, EPI_GLU, EPI_GLU_BWD = 0, 1, 2
 # backward with its epilogue, "wgrad" the weight gradients (K runs over a group's rows); the
 # winners of bench/diagnostics/tune_experts_pallas.py --sweep-triton on the H200 at the
 # Qwen3-30B-A3B shape (docs/moe.md)
+# the routing kernel's reach (``route``): routed rows it takes, and the (rows x rows) pairs one
+# step of its comparison holds
+ROUTE_ROWS, ROUTE_PAIRS = 256, 4096
+
 TILES = {"plain": (128, 256, 64, 8, 4), "glu": (128, 128, 64, 8, 4), "glu_bwd": (64, 256, 64, 8, 3),
          "wgrad": (128, 128, 64, 8, 3)}
 
 
-def _tiles(kind, dt):
+# Few rows (S = tokens x top-k up to FEW_ROWS: a decoding step) leave most experts without rows
+# and the rest with a handful: the forward products then stream their experts' weights through
+# narrow row tiles and more column programs (bench/diagnostics/tune_experts_pallas.py --few)
+FEW_ROWS = 256
+TILES_FEW = {"plain": (16, 64, 128, 4, 4), "glu": (16, 64, 128, 4, 4)}
+
+
+def _tiles(kind, dt, rows=None):
     # the interpreter runs each program in Python over numpy blocks: few programs, wide tiles
     if _common.INTERPRET:
         return 16, 64, 64, 4, 1
     # TILES are chosen for 2-byte elements: wider ones take a K step as many bytes deep, so the
     # pipeline's stages fit the shared memory (128 x 256 fp32 tiles at K 64 would need 294 KB)
-    bm, bn, bk, warps, stages = TILES[kind]
+    few = rows is not None and rows <= FEW_ROWS and kind in TILES_FEW
+    bm, bn, bk, warps, stages = (TILES_FEW if few else TILES)[kind]
     return bm, bn, max(16, bk * 2 // dt.itemsize), warps, stages
 
 
@@ -208,11 +222,44 @@ def _experts_unpermute_bwd_kernel(dout_ptr, y_ptr, rows_ptr, w_ptr, dy_ptr, dw_p
     tl.store(dw_ptr + t * K + k, cast(tl.sum(dot, 0), dw_ptr.dtype.element_ty))
 
 
+# The routing of forge/spec/experts.py (``route``) in one program, for few routed rows (a decoding
+# step: torch's sort, search and scatter are ~13 launches there). A row's key is its expert id,
+# or E where the id is outside [0, E); its sorted position (its rank) counts the rows with a
+# smaller key and those with the same key before it: the stable sort's order, by comparisons.
+# slot_rows[i] = rank[i] (-1 where the key is E), row_token[rank[i]] = i // K, offsets[e] = the
+# rows with key <= e. Bit-equal to torch's route.
+@triton.jit
+def _route_key(ids_ptr, r, mask, E):
+    idx = tl.load(ids_ptr + r, mask=mask, other=0)
+    key = tl.where((idx >= 0) & (idx < E), idx, E).to(tl.int32)
+    return tl.where(mask, key, E + 1)  # (lanes past the rows: after every row, never counted)
+
+
+@triton.jit
+def _experts_route_kernel(ids_ptr, tok_ptr, off_ptr, slot_ptr, S, E, K: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+    ri = tl.arange(0, BLOCK_S)
+    imask = ri < S
+    key_i = _route_key(ids_ptr, ri, imask, E)
+    rank = tl.zeros((BLOCK_S,), dtype=tl.int32)
+    for j0 in range(0, S, BLOCK_J):
+        rj = j0 + tl.arange(0, BLOCK_J)
+        key_j = _route_key(ids_ptr, rj, rj < S, E)
+        before = (key_j[None, :] < key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (rj[None, :] < ri[:, None]))
+        rank += tl.sum(before.to(tl.int32), 1)
+    tl.store(slot_ptr + ri, tl.where(key_i < E, rank, -1), mask=imask)
+    tl.store(tok_ptr + rank, ri // K, mask=imask)
+    for e0 in range(0, E, BLOCK_E):
+        re = e0 + tl.arange(0, BLOCK_E)
+        tl.store(off_ptr + re, tl.sum((key_i[None, :] <= re[:, None]).to(tl.int32), 1), mask=re < E)
+
+
 # launched through forge's direct path (forge_triton/_launch.py), as every forge Triton kernel
 _GROUPED = _launch.FastKernel(_experts_grouped_kernel)
 _WGRAD = _launch.FastKernel(_experts_wgrad_kernel)
 _UNPERMUTE = _launch.FastKernel(_experts_unpermute_kernel)
 _UNPERMUTE_BWD = _launch.FastKernel(_experts_unpermute_bwd_kernel)
+_ROUTE = _launch.FastKernel(_experts_route_kernel)
 
 
 def _meta(dt):
@@ -223,8 +270,8 @@ def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None, low=None, trans=Tr
     """One launch of the grouped kernel over S = len(idx or a) rows; returns (out, gu, h).
     ``low``: None or (a2 (S, r), w2, scale), the adapter term added to the product, w2 (E, N, r)
     read like w when ``trans`` (a[s] @ W[e].T) else w2 (E, r, N)."""
-    bm, bn, bk, warps, stages = _tiles(("plain", "glu", "glu_bwd")[epi], a.dtype)
     s_rows = idx.numel() if idx is not None else a.shape[0]
+    bm, bn, bk, warps, stages = _tiles(("plain", "glu", "glu_bwd")[epi], a.dtype, s_rows)
     e_n = w.shape[0]
     k = a.shape[1]
     out = h = None
@@ -320,8 +367,26 @@ def unpermute_bwd(dout, y, slot_rows, weights):
     return dy, dw
 
 
+def route(top_k_index, n_experts):
+    """forge.spec.experts.route, in one launch for at most ``ROUTE_ROWS`` routed rows (torch's
+    route past that: one program compares every pair of rows)."""
+    t, k = top_k_index.shape
+    s = t * k
+    if s > ROUTE_ROWS or s == 0:
+        return X.route(top_k_index, n_experts)
+    dev = top_k_index.device
+    row_token = _common.empty((s,), torch.int32, dev)
+    offsets = _common.empty((n_experts,), torch.int32, dev)
+    slot_rows = _common.empty((t, k), torch.int32, dev)
+    bs = max(16, _common.next_pow2(s))
+    pair = max(16, ROUTE_PAIRS // bs)
+    _ROUTE[(1,)](_dense(top_k_index), row_token, offsets, slot_rows, s, n_experts, K=k, BLOCK_S=bs,
+                 BLOCK_J=min(bs, pair), BLOCK_E=min(max(16, _common.next_pow2(n_experts)), pair), num_warps=4)
+    return row_token, offsets, slot_rows
+
+
 def experts_pieces() -> dict:
     """The pieces forge.ops.experts builds the expert block's node from."""
     return {"glu_fwd": glu_fwd, "grouped_mm": grouped_mm, "unpermute": unpermute,
             "unpermute_bwd": unpermute_bwd, "glu_bwd": glu_bwd, "grouped_mm_t": grouped_mm_t,
-            "grouped_wgrad": grouped_wgrad, "device_type": "cpu" if _common.INTERPRET else "cuda"}
+            "grouped_wgrad": grouped_wgrad, "route": route, "device_type": "cpu" if _common.INTERPRET else "cuda"}

@@ -192,6 +192,40 @@ def test_expert_adapters_wider_rank_than_a_k_step(backend):
     check_op(_lora(fn), _lora_ref, tensors, diff=LORA_DIFF, reductions=_lora_reductions(tensors))
 
 
+ROUTE_CASES = {  # (tokens, top-k, experts): decoding steps, the kernel's widest case and one past it
+    "decode1_e64": (1, 8, 64), "decode8_e128": (8, 8, 128), "rows256_e128": (32, 8, 128),
+    "rows257_torch": (257, 1, 4), "top1_e1": (3, 1, 1), "odd_e7": (17, 3, 7)}
+
+
+def _route_matches_torch(backend, device):
+    """The backend's ``route`` piece equals torch's route (forge.spec.experts.route) bit for bit,
+    ids outside [0, E) included: E itself (transformers' sentinel), negatives, and an int64 id
+    whose low 32 bits name a real expert."""
+    try:
+        route = ops._piece(backend, "experts_pieces")()["route"]
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
+    g = torch.Generator().manual_seed(0)
+    for name, (t, k, e) in ROUTE_CASES.items():
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if e >= k else \
+            torch.randint(0, e, (t, k), generator=g)
+        ids[0, 0] = e
+        if t > 2:
+            ids[1, -1], ids[2, 0] = -3, 2 ** 40 + 1
+        for dtype in (torch.int64, torch.int32):
+            if dtype == torch.int32:
+                ids = ids.clamp(-3, e + 1)
+            got = route(ids.to(device, dtype), e)
+            want = X.route(ids.to(device, dtype), e)
+            for part, a, b in zip(("row_token", "offsets", "slot_rows"), got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b), (name, dtype, part, a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_route_piece_matches_torch_route(backend):
+    _route_matches_torch(backend, "cpu")
+
+
 GPU_SHAPES = {  # (tokens, hidden, moe intermediate, experts, top-k)
     "qwen3_30b_a3b_4x1024": (4096, 2048, 768, 128, 8),
     "olmoe_1b_7b_4x1024": (4096, 2048, 1024, 64, 8),
@@ -225,6 +259,12 @@ def test_expert_adapters_oracle_gpu(backend, rank, device):
     tensors = _case(1024, 2048, 1024, 8, 2, dtype=torch.bfloat16)
     tensors = {n: v.to(device) for n, v in _with_adapters(tensors, r=rank).items()}
     check_op(_lora(fn), _lora_ref, tensors, diff=LORA_DIFF, reductions=_lora_reductions(tensors))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_route_piece_matches_torch_route_gpu(backend, device):
+    _route_matches_torch(backend, device)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """The MoE expert block as one autograd node (spec and the pieces' contract:
 forge/spec/experts.py), shared by every backend.
 
-The routing is torch on the device (``forge.spec.experts.route``: no host sync); the backend
-supplies the grouped pieces as a dict (its ``experts_pieces()``), made into :class:`ExpertsOps`:
+The routing is on the device (``forge.spec.experts.route`` in torch, or the backend's ``route``
+piece, the same result in fewer launches: no host sync); the backend supplies the grouped pieces
+as a dict (its ``experts_pieces()``), made into :class:`ExpertsOps`:
 
   ``glu_fwd(x, row_token, offsets, gate_up_proj, act) -> (h, gu)``
   ``grouped_mm(a, w, offsets) -> a[s] @ w[e].T``       ``grouped_mm_t(a, w, offsets) -> a[s] @ w[e]``
@@ -39,10 +40,11 @@ class ExpertsOps:
     grouped_mm_t: Callable
     grouped_wgrad: Callable
     device_type: str  # autocast is turned off inside the node for this device type
+    route: Callable = spec.route  # a backend's own may take few rows in one launch (same result)
 
 
 def _forward(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act):
-    row_token, offsets, slot_rows = spec.route(top_k_index, gate_up_proj.shape[0])
+    row_token, offsets, slot_rows = ops.route(top_k_index, gate_up_proj.shape[0])
     h, gu = ops.glu_fwd(x, row_token, offsets, gate_up_proj, act)
     y = ops.grouped_mm(h, down_proj, offsets)  # (S, H)
     return ops.unpermute(y, slot_rows, top_k_weights), (row_token, offsets, slot_rows, gu, y)
@@ -97,7 +99,7 @@ class ExpertsFunction(torch.autograd.Function):
 # gradients are rank-r grouped products; no (E, out, in) tensor is made for them.
 def _forward_lora(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, adapters):
     ad_gu, ad_dn = adapters
-    row_token, offsets, slot_rows = spec.route(top_k_index, gate_up_proj.shape[0])
+    row_token, offsets, slot_rows = ops.route(top_k_index, gate_up_proj.shape[0])
     xa = ha = low = None
     if ad_gu is not None:
         a, b, scale = ad_gu

@@ -19,7 +19,8 @@ on the host (that would be a device sync).
 The fused op, and the contract its backend pieces implement (the Triton and Pallas backends
 both provide exactly these; S = T * K routed rows, the rows sorted by expert)::
 
-    routing (backend-neutral torch in the op layer, on the device, no host sync):
+    routing (on the device, no host sync: ``route`` below in torch, or a backend's optional
+    ``route(top_k_index, E) -> (row_token, offsets, slot_rows)`` piece, equal to it bit for bit):
       ids       = top_k_index.reshape(S), ids outside [0, E) replaced by E (a sentinel)
       order     = stable argsort of ids                        # (S,) sorted row -> flat slot
       row_token = (order // K).int32                           # (S,) token of each sorted row
