@@ -5,9 +5,13 @@ forward + backward; with ``--sweep-triton`` / ``--sweep`` each Triton / Pallas p
 candidate (tiles, warps, stages) of ``CANDIDATES`` (the best per kind printed last, for the
 backends' ``TILES``, and with ``--best-out F`` written to F as JSON), against torch's
 ``_grouped_mm`` on the same rows (the products transformers' grouped_mm experts run);
-``--shape qwen3`` or ``olmoe``.
+``--shape qwen3`` or ``olmoe``, ``--tokens T`` for another token count. ``--few`` sweeps the
+few-row tiles instead (``TILES_FEW``, the forward products of a decoding step: run it with a
+decode's ``--tokens``, 1 to 32), each piece timed as a replay of a CUDA graph of 10 calls (a
+launch from the host takes longer than such a product).
 
-    PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep] [--sweep-triton] [--best-out F]
+    PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep] [--sweep-triton] [--few]
+        [--tokens T] [--best-out F]
 """
 from __future__ import annotations
 
@@ -82,6 +86,13 @@ CANDIDATES = {
     "wgrad": [(64, 64, 32, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
               (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 128, 64, 4, 3)],
 }
+FEW_CANDIDATES = {  # (the last: the wide tiles before TILES_FEW, for comparison)
+    "plain": [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 128, 64, 4, 4), (16, 64, 64, 4, 6),
+              (64, 128, 64, 4, 4)],
+    "glu": [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 128, 64, 4, 4), (16, 64, 64, 4, 6),
+            (128, 128, 64, 8, 4)],
+}
+FEW_PIECES = ("glu_fwd", "grouped_mm (down)")
 PIECES = {"plain": ("grouped_mm (down)", "grouped_mm_t (dx)"), "glu": ("glu_fwd",), "glu_bwd": ("glu_bwd",),
           "wgrad": ("wgrad (down)", "wgrad (gate_up)")}
 
@@ -113,8 +124,29 @@ def _grouped_mm_reference(v, flops):
         print(f"torch._grouped_mm {name:20s} {t:8.3f} ms  {flops[name] / t / 1e9:6.0f} TFLOP/s")
 
 
-def _sweep(backend, v):
-    """Each piece of ``backend`` at each candidate of its kind (the other kinds at their TILES)."""
+def _time_graph(fn, n=10, reps=5):
+    """Median device time (ms) of one call of ``fn``, replayed from a CUDA graph of ``n`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / n)
+    return sorted(times)[len(times) // 2]
+
+
+def _sweep(backend, v, few=False):
+    """Each piece of ``backend`` at each candidate of its kind (the other kinds at their TILES);
+    ``few``: the few-row tiles (TILES_FEW) of the forward products, timed from graphs."""
     if backend == "triton":
         import forge_triton
         from forge_triton import experts as tiles_mod
@@ -131,23 +163,25 @@ def _sweep(backend, v):
         pieces = bridge.experts_pieces
     flops = _flops(v)
     _grouped_mm_reference(v, flops)
-    base = dict(tiles_mod.TILES)
+    table = tiles_mod.TILES_FEW if few else tiles_mod.TILES
+    base = dict(table)
+    timer = _time_graph if few else _time
     best = {}
-    for kind, cands in CANDIDATES.items():
+    for kind, cands in (FEW_CANDIDATES if few else CANDIDATES).items():
         for cfg in cands:
-            tiles_mod.TILES[kind] = cfg
+            table[kind] = cfg
             if backend == "pallas":  # forget every trace of the last tiles: the recipes on disk (keyed
                 os.environ["FORGE_CACHE_DIR"] = tempfile.mkdtemp()  # by the code), the native plans,
                 native.set_launcher(None)  # the bridge's jitted passes and JAX's own trace caches
                 core.forget_traces()
             try:
                 calls = _piece_calls(pieces(), v)
-                ts = {n: _time(calls[n]) for n in PIECES[kind]}
+                ts = {n: timer(calls[n]) for n in PIECES[kind] if not few or n in FEW_PIECES}
             except Exception as exc:  # (a config past the shared memory or registers: reported, skipped)
                 print(f"{backend} {kind} {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             finally:
-                tiles_mod.TILES.update(base)
+                table.update(base)
             total = sum(ts.values())
             if kind not in best or total < best[kind][1]:
                 best[kind] = (cfg, total)
@@ -155,6 +189,12 @@ def _sweep(backend, v):
                                                           for n, t in ts.items()))
     if backend == "pallas":
         print("pallas native:", {k: native.status()[k] for k in ("plans", "kernels", "declined")})
+    if few:
+        bytes_ = {"glu_fwd": v["gate_up"], "grouped_mm (down)": v["down"]}
+        hit = v["offsets"].diff(prepend=v["offsets"].new_zeros(1)).gt(0).sum().item()
+        for kind, (cfg, t) in best.items():
+            moved = sum(bytes_[n][0].numel() * 2 * hit for n in PIECES[kind] if n in FEW_PIECES)
+            print(f"{backend} {kind} best {cfg}: {moved / t / 1e9:.0f} GB/s of the {hit} experts' weights")
     print(f"{backend} best: " + ", ".join(f"{k} {c} ({t:.3f} ms)" for k, (c, t) in best.items()))
     return {k: c for k, (c, _) in best.items()}
 
@@ -164,11 +204,13 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="the Pallas pieces at each candidate tile")
     ap.add_argument("--sweep-triton", action="store_true", help="the Triton pieces at each candidate tile")
     ap.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, help="tokens (default 4096)")
+    ap.add_argument("--few", action="store_true", help="sweep the few-row tiles (TILES_FEW), timed from graphs")
     ap.add_argument("--best-out", help="write the sweeps' best tiles per backend and kind here (JSON)")
     args = ap.parse_args()
-    v = _inputs(**SHAPES[args.shape])
+    v = _inputs(**SHAPES[args.shape], **({"t": args.tokens} if args.tokens else {}))
     if args.sweep_triton or args.sweep:
-        best = {b: _sweep(b, v) for b in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep}
+        best = {b: _sweep(b, v, args.few) for b in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep}
         if args.best_out:
             with open(args.best_out, "w") as f:
                 json.dump(best, f)
