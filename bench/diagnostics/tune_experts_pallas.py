@@ -194,7 +194,7 @@ def _sweep(backend, v, few=False):
         hit = v["offsets"].diff(prepend=v["offsets"].new_zeros(1)).gt(0).sum().item()
         for kind, (cfg, t) in best.items():
             moved = sum(bytes_[n][0].numel() * 2 * hit for n in PIECES[kind] if n in FEW_PIECES)
-            print(f"{backend} {kind} best {cfg}: {moved / t / 1e9:.0f} GB/s of the {hit} experts' weights")
+            print(f"{backend} {kind} best {cfg}: {moved / t / 1e6:.0f} GB/s of the {hit} experts' weights")
     print(f"{backend} best: " + ", ".join(f"{k} {c} ({t:.3f} ms)" for k, (c, t) in best.items()))
     return {k: c for k, (c, _) in best.items()}
 
