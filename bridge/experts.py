@@ -84,15 +84,14 @@ def unpermute_bwd(dout, y, slot_rows, weights):
 
 
 def route(top_k_index, n_experts):
-    """forge.spec.experts.route, in one Pallas launch for at most ``ROUTE_ROWS`` routed rows
-    (torch's route past that)."""
+    """forge.spec.experts.route in one Pallas launch, for at most its ROUTE_ROWS routed rows (the
+    op layer routes more in torch)."""
     t, k = top_k_index.shape
-    if t * k > _k.ROUTE_ROWS or t * k == 0:
-        return X.route(top_k_index, n_experts)
     ids = top_k_index.reshape(t * k)
     if ids.dtype == torch.int64:  # (narrowed to int32 on the way to JAX: no id past int32 may wrap into range)
         ids = ids.clamp(-1, n_experts)
-    row_token, offsets, slot_rows = core.apply(ROUTE, ids, n_exp=n_experts, top_k=k)
+    row_token, offsets, slot_rows = core.apply(ROUTE, ids, n_exp=n_experts, top_k=k,
+                                               blocks=X.route_blocks(t * k, n_experts))
     return row_token, offsets, slot_rows.view(t, k)
 
 

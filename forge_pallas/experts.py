@@ -105,12 +105,11 @@ def unpermute_bwd(dout, y, slot_rows, weights):
     return (dy, dw), ()
 
 
-# The routing of forge/spec/experts.py (``route``) in one program, for few routed rows (a decoding
-# step): a row's key is its expert id, or E outside [0, E); its sorted position counts the rows
-# with a smaller key and those with the same key before it (the stable sort's order, by
-# comparisons). slot_rows[i] = rank[i] (-1 for key E), row_token[rank[i]] = i // K, offsets[e] =
-# the rows with key <= e: bit-equal to torch's route.
-ROUTE_ROWS, ROUTE_PAIRS = 256, 4096  # the rows it takes; the (rows x rows) pairs of one step
+# The routing of forge/spec/experts.py (``route``) in one program, for up to its ROUTE_ROWS routed
+# rows (a decoding step): a row's key is its expert id, or E outside [0, E); its sorted position
+# counts the rows with a smaller key and those with the same key before it (the stable sort's
+# order, by comparisons). slot_rows[i] = rank[i] (-1 for key E), row_token[rank[i]] = i // K,
+# offsets[e] = the rows with key <= e: bit-equal to torch's route.
 
 
 def _route_key(ids_ref, rows, mask, n_exp):
@@ -140,14 +139,12 @@ def _route_kernel(ids_ref, tok_ref, off_ref, slot_ref, *, n_exp, top_k, bs, bj, 
                 mask=es < n_exp)
 
 
-def route(ids, *, n_exp, top_k):
-    """((row_token (S,), offsets (E,), slot_rows (S,)), ()) of the flat expert ids (S,), S at most
-    ROUTE_ROWS; int32."""
+def route(ids, *, n_exp, top_k, blocks):
+    """((row_token (S,), offsets (E,), slot_rows (S,)), ()) of the flat expert ids (S,), int32;
+    ``blocks`` (rows, compared rows per step, experts per step): forge.spec.experts.route_blocks."""
     s = ids.shape[0]
-    bs = max(16, C.next_power_of_2(s))
-    pair = max(16, ROUTE_PAIRS // bs)
-    kern = functools.partial(_route_kernel, n_exp=n_exp, top_k=top_k, bs=bs, bj=min(bs, pair),
-                             be=min(max(16, C.next_power_of_2(n_exp)), pair))
+    bs, bj, be = blocks
+    kern = functools.partial(_route_kernel, n_exp=n_exp, top_k=top_k, bs=bs, bj=bj, be=be)
     i32 = jnp.int32
     outs = C.triton_call(kern, name="experts_route", grid=(1,), num_warps=4,
                          out_shape=(jax.ShapeDtypeStruct((s,), i32), jax.ShapeDtypeStruct((n_exp,), i32),

@@ -30,10 +30,6 @@ EPI_PLAIN, EPI_GLU, EPI_GLU_BWD = 0, 1, 2
 # backward with its epilogue, "wgrad" the weight gradients (K runs over a group's rows); the
 # winners of bench/diagnostics/tune_experts_pallas.py --sweep-triton on the H200 at the
 # Qwen3-30B-A3B shape (docs/moe.md)
-# the routing kernel's reach (``route``): routed rows it takes, and the (rows x rows) pairs one
-# step of its comparison holds
-ROUTE_ROWS, ROUTE_PAIRS = 256, 4096
-
 TILES = {"plain": (128, 256, 64, 8, 4), "glu": (128, 128, 64, 8, 4), "glu_bwd": (64, 256, 64, 8, 3),
          "wgrad": (128, 128, 64, 8, 3)}
 
@@ -222,8 +218,8 @@ def _experts_unpermute_bwd_kernel(dout_ptr, y_ptr, rows_ptr, w_ptr, dy_ptr, dw_p
     tl.store(dw_ptr + t * K + k, cast(tl.sum(dot, 0), dw_ptr.dtype.element_ty))
 
 
-# The routing of forge/spec/experts.py (``route``) in one program, for few routed rows (a decoding
-# step: torch's sort, search and scatter are ~13 launches there). A row's key is its expert id,
+# The routing of forge/spec/experts.py (``route``) in one program, for up to its ROUTE_ROWS routed
+# rows (a decoding step: torch's sort, search and scatter are ~13 launches there). A row's key is its expert id,
 # or E where the id is outside [0, E); its sorted position (its rank) counts the rows with a
 # smaller key and those with the same key before it: the stable sort's order, by comparisons.
 # slot_rows[i] = rank[i] (-1 where the key is E), row_token[rank[i]] = i // K, offsets[e] = the
@@ -368,20 +364,16 @@ def unpermute_bwd(dout, y, slot_rows, weights):
 
 
 def route(top_k_index, n_experts):
-    """forge.spec.experts.route, in one launch for at most ``ROUTE_ROWS`` routed rows (torch's
-    route past that: one program compares every pair of rows)."""
+    """forge.spec.experts.route in one launch, for at most its ROUTE_ROWS routed rows (the op
+    layer routes more in torch)."""
     t, k = top_k_index.shape
-    s = t * k
-    if s > ROUTE_ROWS or s == 0:
-        return X.route(top_k_index, n_experts)
     dev = top_k_index.device
-    row_token = _common.empty((s,), torch.int32, dev)
+    row_token = _common.empty((t * k,), torch.int32, dev)
     offsets = _common.empty((n_experts,), torch.int32, dev)
     slot_rows = _common.empty((t, k), torch.int32, dev)
-    bs = max(16, _common.next_pow2(s))
-    pair = max(16, ROUTE_PAIRS // bs)
-    _ROUTE[(1,)](_dense(top_k_index), row_token, offsets, slot_rows, s, n_experts, K=k, BLOCK_S=bs,
-                 BLOCK_J=min(bs, pair), BLOCK_E=min(max(16, _common.next_pow2(n_experts)), pair), num_warps=4)
+    bs, bj, be = X.route_blocks(t * k, n_experts)
+    _ROUTE[(1,)](_dense(top_k_index), row_token, offsets, slot_rows, t * k, n_experts, K=k, BLOCK_S=bs,
+                 BLOCK_J=bj, BLOCK_E=be, num_warps=4)
     return row_token, offsets, slot_rows
 
 

@@ -40,11 +40,18 @@ class ExpertsOps:
     grouped_mm_t: Callable
     grouped_wgrad: Callable
     device_type: str  # autocast is turned off inside the node for this device type
-    route: Callable = spec.route  # a backend's own may take few rows in one launch (same result)
+    route: Callable = spec.route  # a backend's own takes up to spec.ROUTE_ROWS rows in one launch (same result)
+
+
+def route(ops, top_k_index, n_experts):
+    """(row_token, offsets, slot_rows): the backend's route piece for up to spec.ROUTE_ROWS routed
+    rows (a decoding step), torch's route for more."""
+    fn = ops.route if 0 < top_k_index.numel() <= spec.ROUTE_ROWS else spec.route
+    return fn(top_k_index, n_experts)
 
 
 def _forward(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act):
-    row_token, offsets, slot_rows = ops.route(top_k_index, gate_up_proj.shape[0])
+    row_token, offsets, slot_rows = route(ops, top_k_index, gate_up_proj.shape[0])
     h, gu = ops.glu_fwd(x, row_token, offsets, gate_up_proj, act)
     y = ops.grouped_mm(h, down_proj, offsets)  # (S, H)
     return ops.unpermute(y, slot_rows, top_k_weights), (row_token, offsets, slot_rows, gu, y)
@@ -99,7 +106,7 @@ class ExpertsFunction(torch.autograd.Function):
 # gradients are rank-r grouped products; no (E, out, in) tensor is made for them.
 def _forward_lora(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, adapters):
     ad_gu, ad_dn = adapters
-    row_token, offsets, slot_rows = ops.route(top_k_index, gate_up_proj.shape[0])
+    row_token, offsets, slot_rows = route(ops, top_k_index, gate_up_proj.shape[0])
     xa = ha = low = None
     if ad_gu is not None:
         a, b, scale = ad_gu

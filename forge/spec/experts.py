@@ -19,8 +19,9 @@ on the host (that would be a device sync).
 The fused op, and the contract its backend pieces implement (the Triton and Pallas backends
 both provide exactly these; S = T * K routed rows, the rows sorted by expert)::
 
-    routing (on the device, no host sync: ``route`` below in torch, or a backend's optional
-    ``route(top_k_index, E) -> (row_token, offsets, slot_rows)`` piece, equal to it bit for bit):
+    routing (on the device, no host sync: ``route`` below in torch, or for at most ROUTE_ROWS
+    routed rows a backend's optional ``route(top_k_index, E) -> (row_token, offsets, slot_rows)``
+    piece, equal to it bit for bit):
       ids       = top_k_index.reshape(S), ids outside [0, E) replaced by E (a sentinel)
       order     = stable argsort of ids                        # (S,) sorted row -> flat slot
       row_token = (order // K).int32                           # (S,) token of each sorted row
@@ -163,6 +164,21 @@ def route(top_k_index, n_experts: int):
     # (a decoding step runs this per layer: few launches, each of them a cost at one token)
     slot_rows = rows.masked_fill_(rows >= offsets[-1:], -1).reshape(t, k)
     return row_token, offsets, slot_rows
+
+
+# A backend's route piece (one program comparing every pair of routed rows, see
+# forge_triton.experts) takes up to ROUTE_ROWS rows (a decoding step: batch x top-k); the op layer
+# routes more in torch.
+ROUTE_ROWS = 256
+ROUTE_PAIRS = 4096  # (rows x rows) comparisons one step of that program holds
+
+
+def route_blocks(s: int, n_experts: int) -> tuple:
+    """(rows, compared rows per step, experts per step) blocks of a route piece's program for
+    ``s`` routed rows, powers of two of at least 16."""
+    bs = max(16, 1 << max(s - 1, 0).bit_length())
+    pair = max(16, ROUTE_PAIRS // bs)
+    return bs, min(bs, pair), min(max(16, 1 << max(n_experts - 1, 0).bit_length()), pair)
 
 
 def _groups(offsets):
