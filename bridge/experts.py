@@ -24,6 +24,7 @@ WGRAD = core.KernelDef("experts_grouped_wgrad", _k.grouped_wgrad, None, diff=())
 UNPERMUTE = core.KernelDef("experts_unpermute", _k.unpermute, None, diff=())
 UNPERMUTE_BWD = core.KernelDef("experts_unpermute_bwd", _k.unpermute_bwd, None, diff=())
 ROUTE = core.KernelDef("experts_route", _k.route, None, diff=())
+TOP_K = core.KernelDef("experts_top_k", _k.top_k, None, diff=())
 
 
 def _one(out):
@@ -95,8 +96,20 @@ def route(top_k_index, n_experts):
     return row_token, offsets, slot_rows.view(t, k)
 
 
+def top_k(logits, k, renorm):
+    """forge.spec.experts.top_k in one Pallas launch, for at most its TOP_K_EXPERTS experts (the op
+    layer takes torch's past that); the indices come back as int32, widened to torch's int64."""
+    t, e = logits.shape
+    if t == 0:
+        return logits.new_empty(0, k, dtype=torch.float32), logits.new_empty(0, k, dtype=torch.int64)
+    scores, index = core.apply(TOP_K, logits.contiguous(), top_k=k, renorm=bool(renorm),
+                               blocks=X.top_k_blocks(t, e, k))
+    return scores, index.long()
+
+
 def experts_pieces() -> dict:
     """The pieces forge.ops.experts builds the expert block's node from."""
     return {"glu_fwd": glu_fwd, "grouped_mm": grouped_mm, "unpermute": unpermute,
             "unpermute_bwd": unpermute_bwd, "glu_bwd": glu_bwd, "grouped_mm_t": grouped_mm_t,
-            "grouped_wgrad": grouped_wgrad, "route": route, "device_type": "cpu" if runtime.interpret() else "cuda"}
+            "grouped_wgrad": grouped_wgrad, "route": route, "top_k": top_k,
+            "device_type": "cpu" if runtime.interpret() else "cuda"}

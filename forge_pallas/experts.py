@@ -152,6 +152,49 @@ def route(ids, *, n_exp, top_k, blocks):
     return tuple(outs), ()
 
 
+# The router's choice (forge/spec/experts.py, ``top_k``) in one launch: a program holds bt rows
+# of logits whole; k picks by the logits (equal ones to the lower expert id), each pick's softmax
+# probability from the row's max and sum, renormalised where asked. A row whose logits match no
+# maximum (NaN) picks its lowest expert left, so every index stays in [0, E).
+def _top_k_kernel(x_ref, s_ref, i_ref, *, top_k, renorm, bt, be, bk):
+    n_tok, n_exp = x_ref.shape
+    f32, ninf = jnp.float32, jnp.float32(-jnp.inf)
+    rt = pl.program_id(0) * bt + jnp.arange(bt, dtype=jnp.int32)
+    re = jnp.arange(be, dtype=jnp.int32)
+    rk = jnp.arange(bk, dtype=jnp.int32)
+    tmask = rt < n_tok
+    alive = tmask[:, None] & (re < n_exp)[None, :]
+    ts = pl.ds(pl.program_id(0) * bt, bt)
+    x = C.load(x_ref.at[ts, C.ds(0, be)], mask=alive, other=-jnp.inf).astype(f32)
+    top = jnp.where(tmask, jnp.max(x, axis=1), 0.0)  # (rows past T: finite, never stored)
+    tot = jnp.where(tmask, jnp.sum(jnp.where(alive, jnp.exp(x - top[:, None]), 0.0), axis=1), 1.0)
+    scores, index = jnp.zeros((bt, bk), f32), jnp.zeros((bt, bk), jnp.int32)
+    for j in range(top_k):
+        v = jnp.max(jnp.where(alive, x, ninf), axis=1)
+        pick = jnp.min(jnp.where(alive & (x == v[:, None]), re[None, :], be), axis=1)
+        pick = jnp.where(pick == be, jnp.min(jnp.where(alive, re[None, :], be), axis=1), pick)
+        alive = alive & (re[None, :] != pick[:, None])
+        scores = jnp.where(rk[None, :] == j, (jnp.exp(v - top) / tot)[:, None], scores)
+        index = jnp.where(rk[None, :] == j, pick[:, None], index)
+    if renorm:
+        scores = scores / jnp.where(tmask, jnp.sum(scores, axis=1), 1.0)[:, None]
+    omask = tmask[:, None] & (rk < top_k)[None, :]
+    C.store(s_ref.at[ts, C.ds(0, bk)], scores, mask=omask)
+    C.store(i_ref.at[ts, C.ds(0, bk)], index, mask=omask)
+
+
+def top_k(logits, *, top_k, renorm, blocks):
+    """((scores (T, k) float32, index (T, k) int32), ()) of the logits (T, E); ``blocks`` (rows,
+    experts, chosen): forge.spec.experts.top_k_blocks."""
+    t = logits.shape[0]
+    bt, be, bk = blocks
+    kern = functools.partial(_top_k_kernel, top_k=top_k, renorm=renorm, bt=bt, be=be, bk=bk)
+    outs = C.triton_call(kern, name="experts_top_k", grid=(C.row_programs(C.cdiv(t, bt)),), num_warps=4,
+                         out_shape=(jax.ShapeDtypeStruct((t, top_k), jnp.float32),
+                                    jax.ShapeDtypeStruct((t, top_k), jnp.int32)))(logits)
+    return tuple(outs), ()
+
+
 # ``low``: none, or (a2 (S, r), w2) with the static ``scale``: a LoRA adapter's rank-r term that
 # joins the product (forge/ops/experts.py)
 def glu_fwd(x, row_token, offsets, gate_up_proj, *low, act, scale=None):

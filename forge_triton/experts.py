@@ -250,12 +250,46 @@ def _experts_route_kernel(ids_ptr, tok_ptr, off_ptr, slot_ptr, S, E, K: tl.const
         tl.store(off_ptr + re, tl.sum((key_i[None, :] <= re[:, None]).to(tl.int32), 1), mask=re < E)
 
 
+# The router's choice (forge/spec/experts.py, ``top_k``) in one launch: a program holds BLOCK_T
+# rows of logits whole; K picks by the logits (equal ones to the lower expert id), each pick's
+# softmax probability from the row's max and sum, renormalised where asked. A row whose logits
+# match no maximum (NaN) picks its lowest expert left, so every index stays in [0, E).
+@triton.jit
+def _experts_top_k_kernel(x_ptr, s_ptr, i_ptr, T, E, stride_x, K: tl.constexpr, RENORM: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    re = tl.arange(0, BLOCK_E)
+    rk = tl.arange(0, BLOCK_K)
+    tmask = rt < T
+    alive = tmask[:, None] & (re[None, :] < E)
+    x = tl.load(x_ptr + rt.to(tl.int64)[:, None] * stride_x + re[None, :], mask=alive,
+                other=float("-inf")).to(tl.float32)
+    top = tl.where(tmask, tl.max(x, 1), 0.0)  # (rows past T: finite, never stored)
+    tot = tl.where(tmask, tl.sum(tl.where(alive, tl.exp(x - top[:, None]), 0.0), 1), 1.0)
+    scores = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    index = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    for j in tl.static_range(K):
+        v = tl.max(tl.where(alive, x, float("-inf")), 1)
+        pick = tl.min(tl.where(alive & (x == v[:, None]), re[None, :], BLOCK_E), 1)
+        pick = tl.where(pick == BLOCK_E, tl.min(tl.where(alive, re[None, :], BLOCK_E), 1), pick)
+        alive = alive & (re[None, :] != pick[:, None])
+        scores = tl.where(rk[None, :] == j, (tl.exp(v - top) / tot)[:, None], scores)
+        index = tl.where(rk[None, :] == j, pick[:, None], index)
+    if RENORM:
+        scores = scores / tl.where(tmask, tl.sum(scores, 1), 1.0)[:, None]
+    out = rt.to(tl.int64)[:, None] * K + rk[None, :]
+    omask = tmask[:, None] & (rk[None, :] < K)
+    tl.store(s_ptr + out, scores, mask=omask)
+    tl.store(i_ptr + out, index.to(tl.int64), mask=omask)
+
+
 # launched through forge's direct path (forge_triton/_launch.py), as every forge Triton kernel
 _GROUPED = _launch.FastKernel(_experts_grouped_kernel)
 _WGRAD = _launch.FastKernel(_experts_wgrad_kernel)
 _UNPERMUTE = _launch.FastKernel(_experts_unpermute_kernel)
 _UNPERMUTE_BWD = _launch.FastKernel(_experts_unpermute_bwd_kernel)
 _ROUTE = _launch.FastKernel(_experts_route_kernel)
+_TOP_K = _launch.FastKernel(_experts_top_k_kernel)
 
 
 def _meta(dt):
@@ -377,8 +411,24 @@ def route(top_k_index, n_experts):
     return row_token, offsets, slot_rows
 
 
+def top_k(logits, k, renorm):
+    """forge.spec.experts.top_k in one launch, for at most its TOP_K_EXPERTS experts (the op layer
+    takes torch's past that)."""
+    t, e = logits.shape
+    dev = logits.device
+    scores = _common.empty((t, k), torch.float32, dev)
+    index = _common.empty((t, k), torch.int64, dev)
+    if t:
+        bt, be, bk = X.top_k_blocks(t, e, k)
+        x = logits if logits.stride(1) == 1 else logits.contiguous()
+        _TOP_K[(triton.cdiv(t, bt),)](x, scores, index, t, e, x.stride(0), K=k, RENORM=bool(renorm),
+                                      BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk, num_warps=4)
+    return scores, index
+
+
 def experts_pieces() -> dict:
     """The pieces forge.ops.experts builds the expert block's node from."""
     return {"glu_fwd": glu_fwd, "grouped_mm": grouped_mm, "unpermute": unpermute,
             "unpermute_bwd": unpermute_bwd, "glu_bwd": glu_bwd, "grouped_mm_t": grouped_mm_t,
-            "grouped_wgrad": grouped_wgrad, "route": route, "device_type": "cpu" if _common.INTERPRET else "cuda"}
+            "grouped_wgrad": grouped_wgrad, "route": route, "top_k": top_k,
+            "device_type": "cpu" if _common.INTERPRET else "cuda"}

@@ -471,8 +471,10 @@ def _kernel_calls(backend):
         y = p["grouped_mm"](h, w_dn, offsets)
         dy, d_scores = p["unpermute_bwd"](torch.randn(5, 16), y, slot_rows, scores)
         dgu, h2 = p["glu_bwd"](dy, gu, offsets, w_dn, "silu")
+        # (and the router's top-k piece, likewise)
+        chosen, _index = p.get("top_k", X.top_k)(torch.randn(5, 3), 2, True)
         return (p["unpermute"](y, slot_rows, scores), d_scores, p["grouped_wgrad"](dy, h2, offsets, None),
-                p["grouped_wgrad"](dgu, x, offsets, row_token), p["grouped_mm_t"](dgu, w_gu, offsets))
+                p["grouped_wgrad"](dgu, x, offsets, row_token), p["grouped_mm_t"](dgu, w_gu, offsets), chosen)
 
     kernels["lora_qkv"], kernels["lora_mlp"], kernels["mlp_act"] = lora_qkv, lora_mlp, mlp_pieces
     kernels["experts"], kernels["experts_pieces"] = experts, experts_pieces

@@ -230,6 +230,62 @@ def test_route_piece_matches_torch_route(backend):
     _route_matches_torch(backend, "cpu")
 
 
+TOP_K_CASES = {  # (tokens, experts, top-k): decoding steps of the three architectures, odd sizes
+    "olmoe_decode1": (1, 64, 8), "qwen3_decode8": (8, 128, 8), "mixtral_decode4": (4, 8, 2),
+    "rows256": (256, 64, 8), "odd_e7_k3": (19, 7, 3), "top1": (5, 16, 1), "k_all": (3, 4, 4)}
+
+
+def _distinct_logits(t, e, g):
+    # every row a permutation of distinct values (exact in bf16): torch's choice is unique
+    base = torch.linspace(-4.0, 4.0, e).to(torch.bfloat16).float()
+    return torch.stack([base[torch.randperm(e, generator=g)] for _ in range(t)])
+
+
+def _top_k_matches_torch(backend, device):
+    """The op layer's top-k with the backend's piece (up to TOP_K_ROWS tokens) against the router's
+    torch code (forge.spec.experts.top_k): the same experts in the same order and the scores
+    within fp32 rounding, with and without renormalisation, in bf16, fp16 and fp32; with equal
+    logits, the same chosen values, equal ones in expert order."""
+    from forge.ops import experts as OX
+
+    try:
+        pieces = OX.ExpertsOps(**ops._piece(backend, "experts_pieces")())
+    except BackendUnavailableError as e:
+        pytest.skip(str(e))
+    assert pieces.top_k is not X.top_k
+    g = torch.Generator().manual_seed(0)
+    for name, (t, e, k) in TOP_K_CASES.items():
+        logits = _distinct_logits(t, e, g)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for renorm in (False, True):
+                x = logits.to(device, dtype)
+                scores, index = OX.top_k(pieces, x, k, renorm)
+                want_s, want_i = X.top_k(x, k, renorm)
+                assert index.dtype == torch.int64 and scores.dtype == torch.float32, (name, index.dtype)
+                assert torch.equal(index, want_i), (name, dtype, renorm, index, want_i)
+                torch.testing.assert_close(scores, want_s, rtol=4e-6, atol=1e-7, msg=(name, dtype, renorm))
+    # ties: rows of few distinct values; the chosen logits equal torch's, equal ones by expert id
+    x = torch.randint(0, 3, (32, 64), generator=g).float().to(device)
+    scores, index = OX.top_k(pieces, x, 8, True)
+    want_s, want_i = X.top_k(x, 8, True)
+    assert torch.equal(x.gather(1, index), x.gather(1, want_i))
+    torch.testing.assert_close(scores, want_s, rtol=4e-6, atol=1e-7)
+    same = x.gather(1, index)[:, 1:] == x.gather(1, index)[:, :-1]
+    assert bool((index[:, 1:] > index[:, :-1])[same].all())
+    # past the piece's rows, or float64: torch's code, and bad arguments fail before any launch
+    big = _distinct_logits(X.TOP_K_ROWS + 1, 16, g).to(device)
+    assert torch.equal(OX.top_k(pieces, big, 2, False)[1], X.top_k(big, 2, False)[1])
+    with pytest.raises(ValueError, match="k=9"):
+        OX.top_k(pieces, x[:, :8], 9, False)
+    with pytest.raises(ValueError, match="2-D"):
+        OX.top_k(pieces, x[0], 2, False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_k_piece_matches_torch_router(backend):
+    _top_k_matches_torch(backend, "cpu")
+
+
 GPU_SHAPES = {  # (tokens, hidden, moe intermediate, experts, top-k)
     "qwen3_30b_a3b_4x1024": (4096, 2048, 768, 128, 8),
     "olmoe_1b_7b_4x1024": (4096, 2048, 1024, 64, 8),
@@ -269,6 +325,12 @@ def test_expert_adapters_oracle_gpu(backend, rank, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_route_piece_matches_torch_route_gpu(backend, device):
     _route_matches_torch(backend, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_k_piece_matches_torch_router_gpu(backend, device):
+    _top_k_matches_torch(backend, device)
 
 
 @pytest.mark.gpu

@@ -242,7 +242,7 @@ def _hf_forward(cls) -> bool:
 
 
 def _walk(root, arch, p):
-    norms, mlps, attns, experts = [], [], [], []
+    norms, mlps, attns, experts, routers = [], [], [], [], []
     lora_mlps = 0
     for name, mod in root.named_modules():
         cls = type(mod)
@@ -259,13 +259,16 @@ def _walk(root, arch, p):
             attns.append(mod)
         elif _experts.is_experts(cls, mod):
             experts.append((name, mod))
+        elif _experts.is_router(cls, mod):
+            routers.append(mod)
     _apply_rmsnorm(p, arch, norms)
     if experts and not mlps and p.wants(arch.glu):
         p.skip(arch.glu, "every MLP of this model is a mixture of experts (the experts kernel)", applies=False)
     _apply_glu(p, arch, mlps, lora_mlps)
     _apply_rope(p, arch, attns)
     _qkv.apply(p, attns)
-    _experts.apply(p, experts, lambda: _ready(p, _experts.KEY, experts, "expert modules"), fw._compiling, root)
+    _experts.apply(p, experts, lambda: _ready(p, _experts.KEY, experts, "expert modules"), fw._compiling, root,
+                   routers)
 
 
 def _ready(p, key, found, what):

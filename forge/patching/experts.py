@@ -4,6 +4,13 @@ get forge's expert block (forge.spec.experts, the node forge.ops.experts) as the
 forward, whichever experts implementation the config names ("eager", "grouped_mm", ...): the
 router, the auxiliary loss and everything around the module are left as they are.
 
+The routers (``*TopKRouter``, each sparse block's ``gate``) get a forward of the same key, not
+counted: a call without gradients (inference, a decoding step) keeps the router's product and
+takes the softmax, top-k and renormalisation from the backend's ``top_k`` piece (one launch where
+torch's code takes ~6 a layer; forge.ops.experts.top_k). A call that wants gradients, and any
+call while torch.compile traces, runs the router's own forward. The chosen experts are torch's;
+their scores agree to fp32 rounding, and equal logits are chosen in expert order.
+
 A module is declined, with its reason under ``experts`` in ``_forge_skipped``, where the kernel
 would compute something else: an activation other than silu, biases, transposed or interleaved
 weights, no gate. A call the kernel does not take (the act_fn swapped after patching, hidden not
@@ -28,8 +35,10 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
+from ..ops import experts as _ops
 from . import arch as _arch
 
 KEY = "experts"
@@ -38,6 +47,33 @@ WEIGHTS = ("gate_up_proj", "down_proj")
 # use_experts_implementation's layout flags and the values the kernel computes
 LAYOUT = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True,
           "has_post_expert_norm": False}
+
+
+# transformers' routers of the three architectures: (the attribute that says whether the chosen
+# scores are renormalised, None where they always are; whether they return in the logits' dtype)
+ROUTERS = {"OlmoeTopKRouter": ("norm_topk_prob", True), "Qwen3MoeTopKRouter": ("norm_topk_prob", True),
+           "MixtralTopKRouter": (None, False)}
+
+
+def is_router(cls, mod) -> bool:
+    w = getattr(mod, "weight", None)
+    return (cls.__name__ in ROUTERS and isinstance(w, torch.Tensor) and w.dim() == 2
+            and isinstance(getattr(mod, "top_k", None), int))
+
+
+def router_forward_of(ops, orig, renorm_attr, cast, compiling):
+    """A router's forward: the backend's top_k after the router's own product for a call without
+    gradients, the router's own forward for any other (or while torch.compile traces)."""
+    def forward(self, hidden_states):
+        w = self.weight
+        if compiling() or (torch.is_grad_enabled() and (w.requires_grad or hidden_states.requires_grad)):
+            return orig(self, hidden_states)
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), w)
+        renorm = True if renorm_attr is None else bool(getattr(self, renorm_attr))
+        scores, index = _ops.top_k(ops, logits, self.top_k, renorm)
+        return logits, (scores.to(logits.dtype) if cast else scores), index
+
+    return forward
 
 
 def is_experts(cls, mod) -> bool:
@@ -175,10 +211,10 @@ def peft_forward_of(mod, fwd, chain, orig):
     return forward
 
 
-def apply(p, found, ready, compiling, root=None) -> None:
+def apply(p, found, ready, compiling, root=None, routers=()) -> None:
     """``found``: (name, module) of every expert module; ``ready()``: the kernel
     (forge.ops.get("experts", backend)), or None where the key is declined; ``root``: the module
-    to look for peft's wrappers of the expert weights in."""
+    to look for peft's wrappers of the expert weights in; ``routers``: the router modules."""
     if not found:
         if p.wants(KEY):
             p.skip(KEY, f"{p.arch.model_type} has no mixture-of-experts modules", applies=False)
@@ -201,6 +237,13 @@ def apply(p, found, ready, compiling, root=None) -> None:
         if outer is not None and "forward" not in outer.__dict__:  # (not one someone else replaced)
             p.replace_forward(outer, KEY, types.MethodType(peft_forward_of(mod, fwd, chains[id(mod)],
                                                                            type(outer).forward), outer), count=False)
+    ops = getattr(kernel, "ops", None)
+    for mod in routers if ops is not None and KEY in p.counts else ():
+        renorm_attr, cast = ROUTERS[type(mod).__name__]
+        if not p.is_replaced(mod):
+            p.replace_forward(mod, KEY, types.MethodType(
+                router_forward_of(ops, renorm_attr=renorm_attr, cast=cast, compiling=compiling,
+                                  orig=type(mod).forward), mod), count=False)
     if why:
         more = f" (+{len(why) - 3} more)" if len(why) > 3 else ""
         p.skip(KEY, f"{len(why)} of {len(found)} expert modules keep their own forward: "
