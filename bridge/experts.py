@@ -96,14 +96,14 @@ def route(top_k_index, n_experts):
     return row_token, offsets, slot_rows.view(t, k)
 
 
-def top_k(logits, k, renorm):
+def top_k(logits, k, renorm, dtype=torch.float32):
     """forge.spec.experts.top_k in one Pallas launch, for at most its TOP_K_EXPERTS experts (the op
     layer takes torch's past that); the indices come back as int32, widened to torch's int64."""
     t, e = logits.shape
     if t == 0:
-        return logits.new_empty(0, k, dtype=torch.float32), logits.new_empty(0, k, dtype=torch.int64)
+        return logits.new_empty(0, k, dtype=dtype), logits.new_empty(0, k, dtype=torch.int64)
     scores, index = core.apply(TOP_K, logits.contiguous(), top_k=k, renorm=bool(renorm),
-                               blocks=X.top_k_blocks(t, e, k))
+                               blocks=X.top_k_blocks(t, e, k), dtype=str(dtype).removeprefix("torch."))
     return scores, index.long()
 
 

@@ -179,18 +179,18 @@ def _top_k_kernel(x_ref, s_ref, i_ref, *, top_k, renorm, bt, be, bk):
     if renorm:
         scores = scores / jnp.where(tmask, jnp.sum(scores, axis=1), 1.0)[:, None]
     omask = tmask[:, None] & (rk < top_k)[None, :]
-    C.store(s_ref.at[ts, C.ds(0, bk)], scores, mask=omask)
+    C.store(s_ref.at[ts, C.ds(0, bk)], scores.astype(s_ref.dtype), mask=omask)
     C.store(i_ref.at[ts, C.ds(0, bk)], index, mask=omask)
 
 
-def top_k(logits, *, top_k, renorm, blocks):
-    """((scores (T, k) float32, index (T, k) int32), ()) of the logits (T, E); ``blocks`` (rows,
-    experts, chosen): forge.spec.experts.top_k_blocks."""
+def top_k(logits, *, top_k, renorm, blocks, dtype):
+    """((scores (T, k) in ``dtype``, index (T, k) int32), ()) of the logits (T, E); ``blocks``
+    (rows, experts, chosen): forge.spec.experts.top_k_blocks."""
     t = logits.shape[0]
     bt, be, bk = blocks
     kern = functools.partial(_top_k_kernel, top_k=top_k, renorm=renorm, bt=bt, be=be, bk=bk)
     outs = C.triton_call(kern, name="experts_top_k", grid=(C.row_programs(C.cdiv(t, bt)),), num_warps=4,
-                         out_shape=(jax.ShapeDtypeStruct((t, top_k), jnp.float32),
+                         out_shape=(jax.ShapeDtypeStruct((t, top_k), jnp.dtype(dtype)),
                                     jax.ShapeDtypeStruct((t, top_k), jnp.int32)))(logits)
     return tuple(outs), ()
 

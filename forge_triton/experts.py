@@ -279,7 +279,7 @@ def _experts_top_k_kernel(x_ptr, s_ptr, i_ptr, T, E, stride_x, K: tl.constexpr, 
         scores = scores / tl.where(tmask, tl.sum(scores, 1), 1.0)[:, None]
     out = rt.to(tl.int64)[:, None] * K + rk[None, :]
     omask = tmask[:, None] & (rk[None, :] < K)
-    tl.store(s_ptr + out, scores, mask=omask)
+    tl.store(s_ptr + out, cast(scores, s_ptr.dtype.element_ty), mask=omask)
     tl.store(i_ptr + out, index.to(tl.int64), mask=omask)
 
 
@@ -411,12 +411,12 @@ def route(top_k_index, n_experts):
     return row_token, offsets, slot_rows
 
 
-def top_k(logits, k, renorm):
+def top_k(logits, k, renorm, dtype=torch.float32):
     """forge.spec.experts.top_k in one launch, for at most its TOP_K_EXPERTS experts (the op layer
     takes torch's past that)."""
     t, e = logits.shape
     dev = logits.device
-    scores = _common.empty((t, k), torch.float32, dev)
+    scores = _common.empty((t, k), dtype, dev)
     index = _common.empty((t, k), torch.int64, dev)
     if t:
         bt, be, bk = X.top_k_blocks(t, e, k)

@@ -264,6 +264,12 @@ def _top_k_matches_torch(backend, device):
                 assert index.dtype == torch.int64 and scores.dtype == torch.float32, (name, index.dtype)
                 assert torch.equal(index, want_i), (name, dtype, renorm, index, want_i)
                 torch.testing.assert_close(scores, want_s, rtol=4e-6, atol=1e-7, msg=(name, dtype, renorm))
+            # the scores stored in the logits' dtype (what olmoe's and qwen3_moe's routers return)
+            got_s = OX.top_k(pieces, x, k, True, dtype)[0]
+            assert got_s.dtype == dtype
+            # (one rounding each side: at most one unit in the last place apart)
+            torch.testing.assert_close(got_s, X.top_k(x, k, True, dtype)[0], rtol=2 * tolerance.UNIT_ROUNDOFF[dtype],
+                                       atol=1e-7)
     # ties: rows of few distinct values; the chosen logits equal torch's, equal ones by expert id
     x = torch.randint(0, 3, (32, 64), generator=g).float().to(device)
     scores, index = OX.top_k(pieces, x, 8, True)

@@ -54,19 +54,20 @@ def route(ops, top_k_index, n_experts):
 _TOP_K_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def top_k(ops, logits, k: int, renorm: bool):
-    """(scores (T, k) float32, index (T, k) int64): a router's top-k of softmax(logits)
+def top_k(ops, logits, k: int, renorm: bool, dtype=torch.float32):
+    """(scores (T, k) in ``dtype``, index (T, k) int64): a router's top-k of softmax(logits)
     (forge.spec.experts.top_k), by the backend's piece for up to spec.TOP_K_ROWS tokens and
-    spec.TOP_K_EXPERTS experts in 16 or 32 bits, by torch otherwise. Forward only: a call that wants gradients runs the
-    router's own code (forge.patching.experts)."""
+    spec.TOP_K_EXPERTS experts in 16 or 32 bits, by torch otherwise. Forward only: a call that
+    wants gradients runs the router's own code (forge.patching.experts)."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"experts top_k: logits must be a 2-D float tensor (tokens, experts), "
                          f"got {tuple(logits.shape)} {logits.dtype}")
     if not isinstance(k, int) or not 1 <= k <= logits.shape[1]:
         raise ValueError(f"experts top_k: k={k!r} must be an int in [1, {logits.shape[1]}] (the experts)")
     t, e = logits.shape
-    piece = logits.dtype in _TOP_K_DTYPES and 0 < t <= spec.TOP_K_ROWS and e <= spec.TOP_K_EXPERTS
-    return (ops.top_k if piece else spec.top_k)(logits, k, bool(renorm))
+    piece = (logits.dtype in _TOP_K_DTYPES and dtype in _TOP_K_DTYPES and 0 < t <= spec.TOP_K_ROWS
+             and e <= spec.TOP_K_EXPERTS)
+    return (ops.top_k if piece else spec.top_k)(logits, k, bool(renorm), dtype)
 
 
 def _forward(ops, x, top_k_index, top_k_weights, gate_up_proj, down_proj, act):

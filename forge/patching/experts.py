@@ -70,8 +70,8 @@ def router_forward_of(ops, orig, renorm_attr, cast, compiling):
             return orig(self, hidden_states)
         logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), w)
         renorm = True if renorm_attr is None else bool(getattr(self, renorm_attr))
-        scores, index = _ops.top_k(ops, logits, self.top_k, renorm)
-        return logits, (scores.to(logits.dtype) if cast else scores), index
+        scores, index = _ops.top_k(ops, logits, self.top_k, renorm, logits.dtype if cast else torch.float32)
+        return logits, scores, index
 
     return forward
 

@@ -182,26 +182,27 @@ def route_blocks(s: int, n_experts: int) -> tuple:
 
 
 # The router's choice (transformers 5.x ``*TopKRouter.forward`` of qwen3_moe, mixtral and olmoe,
-# after its product): a backend's optional ``top_k(logits (T, E), k, renorm) -> (scores (T, k)
-# float32, index (T, k) int64)`` piece computes it in one launch; the op layer calls it for calls
-# without gradients of at most TOP_K_ROWS tokens (a decoding step, where torch's softmax, topk and
-# renormalisation are ~6 launches a layer) and TOP_K_EXPERTS experts, torch's below otherwise. The piece picks by the logits (softmax keeps their order), equal logits in the order
-# of their expert ids (torch.topk leaves that order open), and computes only the chosen
-# probabilities: fp32 throughout, as torch's softmax with dtype=float.
+# after its product): a backend's optional ``top_k(logits (T, E), k, renorm, dtype) -> (scores
+# (T, k) in dtype, index (T, k) int64)`` piece computes it in one launch; the op layer calls it for
+# calls without gradients of at most TOP_K_ROWS tokens (a decoding step, where torch's softmax,
+# topk, renormalisation and cast are ~6 launches a layer) and TOP_K_EXPERTS experts, torch's
+# below otherwise. The piece picks by the logits (softmax keeps their order), equal logits in the
+# order of their expert ids (torch.topk leaves that order open), and computes only the chosen
+# probabilities, in fp32 as torch's softmax with dtype=float, cast once when stored.
 TOP_K_ROWS = 256
 TOP_K_EXPERTS = 1024
 TOP_K_TILE = 4096  # (rows x experts) one program of the piece holds
 
 
-def top_k(logits, k: int, renorm: bool):
-    """(scores (T, k) float32, index (T, k) int64): the router's top-k of softmax(logits) in
+def top_k(logits, k: int, renorm: bool, dtype=torch.float32):
+    """(scores (T, k) in ``dtype``, index (T, k) int64): the router's top-k of softmax(logits) in
     float32 (float64 logits stay float64: the oracle), descending, optionally renormalised to sum
     to one."""
     p = torch.softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
     scores, index = torch.topk(p, k, dim=-1)
     if renorm:
         scores = scores / scores.sum(dim=-1, keepdim=True)
-    return scores, index
+    return scores.to(dtype), index
 
 
 def top_k_blocks(rows: int, n_experts: int, k: int) -> tuple:
