@@ -102,8 +102,9 @@ def top_k(logits, k, renorm, dtype=torch.float32):
     t, e = logits.shape
     if t == 0:
         return logits.new_empty(0, k, dtype=dtype), logits.new_empty(0, k, dtype=torch.int64)
-    scores, index = core.apply(TOP_K, logits.contiguous(), top_k=k, renorm=bool(renorm),
-                               blocks=X.top_k_blocks(t, e, k), dtype=str(dtype).removeprefix("torch."))
+    blocks = X.top_k_blocks(t, e, k)
+    scores, index = core.apply(TOP_K, logits.contiguous(), top_k=k, renorm=bool(renorm), blocks=blocks,
+                               warps=X.top_k_warps(*blocks[:2]), dtype=str(dtype).removeprefix("torch."))
     return scores, index.long()
 
 

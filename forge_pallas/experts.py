@@ -183,13 +183,14 @@ def _top_k_kernel(x_ref, s_ref, i_ref, *, top_k, renorm, bt, be, bk):
     C.store(i_ref.at[ts, C.ds(0, bk)], index, mask=omask)
 
 
-def top_k(logits, *, top_k, renorm, blocks, dtype):
+def top_k(logits, *, top_k, renorm, blocks, warps, dtype):
     """((scores (T, k) in ``dtype``, index (T, k) int32), ()) of the logits (T, E); ``blocks``
-    (rows, experts, chosen): forge.spec.experts.top_k_blocks."""
+    (rows, experts, chosen) and ``warps``: forge.spec.experts.top_k_blocks and top_k_warps."""
     t = logits.shape[0]
     bt, be, bk = blocks
     kern = functools.partial(_top_k_kernel, top_k=top_k, renorm=renorm, bt=bt, be=be, bk=bk)
-    outs = C.triton_call(kern, name="experts_top_k", grid=(C.row_programs(C.cdiv(t, bt)),), num_warps=4,
+    outs = C.triton_call(kern, name="experts_top_k", grid=(C.row_programs(C.cdiv(t, bt)),),
+                         num_warps=warps,
                          out_shape=(jax.ShapeDtypeStruct((t, top_k), jnp.dtype(dtype)),
                                     jax.ShapeDtypeStruct((t, top_k), jnp.int32)))(logits)
     return tuple(outs), ()

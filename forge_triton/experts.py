@@ -422,7 +422,7 @@ def top_k(logits, k, renorm, dtype=torch.float32):
         bt, be, bk = X.top_k_blocks(t, e, k)
         x = logits if logits.stride(1) == 1 else logits.contiguous()
         _TOP_K[(triton.cdiv(t, bt),)](x, scores, index, t, e, x.stride(0), K=k, RENORM=bool(renorm),
-                                      BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk, num_warps=4)
+                                      BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk, num_warps=X.top_k_warps(bt, be))
     return scores, index
 
 
