@@ -607,12 +607,14 @@ def test_captured_steps_write_logits_outside_the_pool(fake_graphs, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("model_type", ARCHS + ["qwen3_moe"])  # (a mixture of experts: its routing has no host sync)
+# (mixtures of experts: their routing has no host sync; "olmoe_mha": OLMoE with as many KV heads
+# as heads, as its published shape has, whose decoding steps attend through forge's kernel too)
+@pytest.mark.parametrize("model_type", ARCHS + ["qwen3_moe", "olmoe_mha"])
 def test_greedy_generate_gpu(model_type, graphs):
     # gemma2's window of 40 fills at the prompt's 32 + 8th new token: both kinds of step run
-    model = _model(model_type, "qwen05b", torch.bfloat16, "cuda", **({"sliding_window": 40} if model_type == "gemma2"
-                                                                     else {}))
-    if model_type == "qwen3_moe":  # transformers' loop over the experts: its grouped_mm takes no float32 reference
+    kw = {"gemma2": {"sliding_window": 40}, "olmoe_mha": {"num_key_value_heads": 14}}.get(model_type, {})
+    model = _model(model_type.removesuffix("_mha"), "qwen05b", torch.bfloat16, "cuda", **kw)
+    if model_type in ("qwen3_moe", "olmoe_mha"):  # transformers' loop over the experts (its grouped_mm takes no fp32)
         model.set_experts_implementation("eager")
     ids, mask = _prompt(model, 2, 32, "cuda")
     _check_generate(model, ids, mask, 16, torch.bfloat16, torch.float32, backend="triton", graphs=graphs)
@@ -620,6 +622,7 @@ def test_greedy_generate_gpu(model_type, graphs):
         st = model._forge_graphs.stats
         assert st.decode_captures == 1 and st.decode_replayed > 0, st
         assert not [w for w in st.why if "capture failed" in w], st
+        assert model._forge_graphs.decode.attends == "triton"
 
 
 @pytest.mark.gpu
@@ -777,9 +780,16 @@ def test_packed_gqa_attention_matches_repeated_kv(attention):
     assert decode_runtime._packed_sdpa(*args, q, k, v, per_head)[0] == "delegated"
     assert decode_runtime._packed_sdpa(*args, q, k, v, None, softcap=50.0)[0] == "delegated"
     assert len(calls) == 3
-    # one query head per KV head: transformers' SDPA reads the cache as it is (orig)
+    # one query head per KV head (multi-head, OLMoE's): the backend's kernel where there is one,
+    # else transformers' SDPA, which reads the cache as it is (orig)
     module.num_key_value_groups = 1
-    assert decode_runtime._packed_sdpa(*args, q[:, :hk], k, v, keep, scaling=0.3)[0] == "delegated"
+    got, _ = decode_runtime._packed_sdpa(*args, q[:, :hk], k, v, keep, scaling=0.3)
+    if kernel is None:
+        assert got == "delegated" and len(calls) == 4
+    else:
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:, :hk], k, v, attn_mask=keep[..., :length], scale=0.3)
+        torch.testing.assert_close(got, ref.transpose(1, 2))
+        assert got.shape == (b, 1, hk, d) and len(calls) == 3
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with decode_runtime.packed_gqa():
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before
