@@ -2,7 +2,8 @@
 ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) behind ``use_experts_implementation``)
 get forge's expert block (forge.spec.experts, the node forge.ops.experts) as their instance
 forward, whichever experts implementation the config names ("eager", "grouped_mm", ...): the
-router, the auxiliary loss and everything around the module are left as they are.
+auxiliary loss and everything around the module are left as they are, the routers but for the
+calls below.
 
 The routers (``*TopKRouter``, each sparse block's ``gate``) get a forward of the same key, not
 counted: a call without gradients (inference, a decoding step) keeps the router's product and
