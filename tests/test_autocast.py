@@ -197,3 +197,30 @@ def test_fp32_model_under_autocast(backend, model_type, device):
     if model_type == "qwen3_moe":  # the expert blocks ran forge's node, on bf16 casts of their inputs
         assert model._forge_guard_stats.fused("experts") == model.config.num_hidden_layers
     assert_step_close(got, ref, eager, model.config, ids.numel())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_fp32_routers_under_autocast_choose_as_transformers(backend, model_type, device):
+    # inference of an fp32 mixture of experts under autocast: each router's product runs in bf16
+    # (autocast's), and the top_k piece after it must give transformers' router outputs under the
+    # same autocast: the logits themselves, the same chosen logits, the scores in the router's dtype
+    import forge
+    from forge.__main__ import build_model
+    from forge.patching import experts as experts_patch
+
+    need_backend(backend)
+    model = build_model(model_type, shape="cpu" if device.type == "cpu" else "gpu_demo", device=device).eval()
+    routers = [m for m in model.modules() if type(m).__name__ in experts_patch.ROUTERS]
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        want = [r(hidden) for r in routers]
+        forge.patch(model, backend=backend, min_elements=0)
+        assert all("forward" in r.__dict__ for r in routers)
+        got = [r(hidden) for r in routers]
+    for (gl, gs, gi), (wl, ws, wi) in zip(got, want):
+        assert gl.dtype == torch.bfloat16 and torch.equal(gl, wl)
+        assert torch.equal(gl.float().gather(1, gi), wl.float().gather(1, wi))
+        assert gs.dtype == ws.dtype
+        torch.testing.assert_close(gs, ws, rtol=2 * tolerance.UNIT_ROUNDOFF[gs.dtype], atol=1e-7)
+    forge.unpatch(model)
