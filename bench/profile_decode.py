@@ -50,10 +50,11 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated, of {', '.join(VARIANTS)} ('apart': STACK_INFER off)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
     p.add_argument("--experts-impl", default="grouped_mm", choices=["grouped_mm", "eager"],
                    help="MoE presets: transformers' experts implementation the unpatched variants run")
     a = p.parse_args(argv)
-    model = build(a.model, torch.bfloat16, torch.device("cuda")).eval()
+    model = build(a.model, torch.bfloat16, torch.device("cuda"), layers=a.layers).eval()
     if is_moe(a.model):  # (static + compile runs it; forge's variants patch the experts)
         model.set_experts_implementation(a.experts_impl)
     vocab = PRESETS[a.model]["vocab_size"]
