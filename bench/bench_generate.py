@@ -139,11 +139,34 @@ def _ttft(model, twin, ids, kw, twin_kw, calls):
     return 1e3 * statistics.median(mine), 1e3 * statistics.median(eager)
 
 
+# the unpatched twin (time to first token) is kept where the model's weights take at most this
+# share of the device's memory: the twin joins them there for its calls (Qwen3-30B-A3B's 48
+# layers, 61 GB, do not fit twice on an 80 GB card)
+TWIN_SHARE = 0.45
+
+
+def _cpu_twin(model):
+    """An unpatched copy of ``model`` on the CPU, or None where it would not fit beside the model
+    on the device (TWIN_SHARE). Its tensors are copied straight to the CPU: a deepcopy on the
+    device first would hold a second copy of the weights there."""
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    dev = next(model.parameters()).device
+    if dev.type == "cuda" and weights > TWIN_SHARE * torch.cuda.get_device_properties(dev).total_memory:
+        print(f"no unpatched twin: the weights ({weights / 2**30:.1f} GiB) would not fit twice on the device; "
+              "ttft_eager_ms is left empty")
+        return None
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        c = t.detach().to("cpu", copy=True)
+        memo[id(t)] = torch.nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
+    return copy.deepcopy(model, memo)
+
+
 def run_case(model, variant, ids, mask, new, reps, quick, want, pristine):
     """One variant at one (batch, prompt). ``pristine``: an unpatched copy of the model kept on
     the CPU, brought to the device only for the time-to-first-token calls, after the memory is
     read (its weights, and the cuBLAS workspace its calls take on the default stream, would
-    count in the variant's peak)."""
+    count in the variant's peak); None: no eager first token beside the variant's."""
     row = {"batch": ids.shape[0], "prompt": ids.shape[1], "variant": variant}
     if variant == "static + compile" and not torch.cuda.is_available():
         row["note"] = "skipped: transformers compiles only on an accelerator"
@@ -166,9 +189,11 @@ def run_case(model, variant, ids, mask, new, reps, quick, want, pristine):
             row["pool_MiB"] = graph_pool_bytes(model) / 2**20
             row["peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20 + row["pool_MiB"]
             row["reserved_MiB"] = torch.cuda.max_memory_reserved() / 2**20
-        twin = pristine.to(ids.device) if variant != "eager" else None  # (Module.to moves it in place)
+        twin = pristine.to(ids.device) if variant != "eager" and pristine is not None else None  # (moved in place)
         try:
             row["ttft_ms"], row["ttft_eager_ms"] = _ttft(model, twin, ids, kw, plain, 3 if quick else TTFT_CALLS)
+            if twin is None and variant != "eager":
+                row["ttft_eager_ms"] = None  # (no twin: _ttft's second figure is the model's own)
         finally:
             if twin is not None:
                 twin.to("cpu")
@@ -251,7 +276,7 @@ def main(argv=None):
     if is_moe(a.model):  # (eager and static + compile run it; forge's variants patch the experts)
         model.set_experts_implementation(a.experts_impl)
     model.generation_config.eos_token_id = None  # random weights: every run decodes all --new tokens
-    pristine = copy.deepcopy(model).to("cpu")  # eager's twin for time to first token (run_case)
+    pristine = _cpu_twin(model)  # eager's twin for time to first token (run_case)
     vocab = PRESETS[a.model]["vocab_size"]
     rows = []
     title = f"generate(): {a.model}, {a.new} new tokens, {dev.type} {str(dtype).split('.')[-1]}"

@@ -260,10 +260,31 @@ def test_bench_generate_quick(tmp_path):
     # no CUDA: the graphs variants' generate() runs as before, and says why
     assert all("the model is on cpu" in r["note"] for r in rows[2:4]) and "skipped" in rows[4]["note"]
     assert all(float(r["same_tokens"]) == 1.0 for r in rows[1:4])
+    assert all(float(r["ttft_eager_ms"]) > 0 for r in rows[1:4])  # the unpatched twin's first token
     import importlib.util
 
     # the plot is drawn whenever matplotlib imports (not a test dependency)
     assert len(list(tmp_path.glob("bench_generate*.png"))) == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_generate_twin_is_an_unshared_copy():
+    # bench_generate's unpatched twin (eager's first token): the same weights in memory of its own,
+    # ties kept (the head and the embedding share one weight where the model does)
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_generate
+    from presets import build
+
+    model = build("tiny", torch.float32, torch.device("cpu"))
+    model.lm_head.weight = model.model.embed_tokens.weight
+    twin = bench_generate._cpu_twin(model)
+    mine, theirs = dict(model.named_parameters()), dict(twin.named_parameters())
+    assert mine.keys() == theirs.keys()
+    for name, p in mine.items():
+        assert torch.equal(p, theirs[name]) and p.data_ptr() != theirs[name].data_ptr(), name
+        assert isinstance(theirs[name], torch.nn.Parameter) and theirs[name].requires_grad == p.requires_grad
+    assert twin.lm_head.weight is twin.model.embed_tokens.weight
+    for (name, b), (_, c) in zip(model.named_buffers(), twin.named_buffers()):
+        assert torch.equal(b, c) and b.data_ptr() != c.data_ptr(), name
 
 
 def test_profile_decode_host_cpu(tmp_path):
