@@ -78,6 +78,47 @@ def build(a, lora, dropout, dtype, device):
     return pm
 
 
+def watched_forward(model, ids):
+    """A forward under FSDP2, watched for what forge must not hold. Returns (the loss, a dict):
+    ``saved``, the tensors autograd saved; ``weight_copies``, those still holding memory after the
+    forward that equal a decoder layer's weight (or its transpose, in any dtype); and, once the
+    caller's backward has passed the embedding, ``gathered``: the decoder layers still gathered
+    then (only where the embedding's output takes a gradient: a full fine-tune).
+
+    FSDP2 frees each layer's gathered weights after the layer's forward and gathers them again for
+    its backward: a saved tensor that *is* a gathered weight costs nothing in between, a copy made
+    of one holds that memory until the backward, per layer. A layer whose post-backward hook does
+    not fire stays gathered, with its gradients, to the end of the whole backward."""
+    saved, seen = [], {}
+    layers = list(_layers(model))
+    root = _hf(model)
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    def at_embedding(_grad):  # every layer's backward is done when the embedding's gradient arrives
+        seen["gathered"] = sum(not hasattr(next(m.parameters()), "full_tensor") for m in layers)
+
+    def hook_output(_m, _i, out):  # (returns None: the output stays as it is)
+        if out.requires_grad:  # (a frozen embedding, as under LoRA: the backward never reaches it)
+            out.register_hook(at_embedding)
+
+    handle = getattr(root, root.base_model_prefix).embed_tokens.register_forward_hook(hook_output)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+    finally:
+        handle.remove()
+    alive = [t for t in saved if t.dim() == 2 and t.is_floating_point() and t.untyped_storage().nbytes()]
+    weights = [p.full_tensor() for layer in layers for p in layer.parameters() if p.dim() == 2]  # (collective)
+    seen["saved"] = len(saved)
+    seen["weight_copies"] = sum(
+        any(w.shape in (t.shape, t.T.shape) and torch.equal(t, (w if w.shape == t.shape else w.T).to(t.dtype))
+            for w in weights) for t in alive)
+    return loss, seen
+
+
 def run(a, kind, rank, world, device):
     ft, _, kind = kind.rpartition("/")
     kind, graphs = kind.removesuffix("+graphs"), kind.endswith("+graphs")
@@ -104,7 +145,10 @@ def run(a, kind, rank, world, device):
         torch.manual_seed(1000 * step + rank)  # dropout masks: the same per (step, rank) in every run
         g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own data
         ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(device)
-        loss = model(input_ids=ids, labels=ids).loss
+        if step == 0:  # (watched: see watched_forward)
+            loss, watch = watched_forward(model, ids)
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if step == 0 and a.grads:
             for n, p in model.named_parameters():
@@ -115,7 +159,7 @@ def run(a, kind, rank, world, device):
         mean = loss.detach().double()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    info = {"losses": losses}
+    info = {"losses": losses, "watch": watch}
     if backend != "eager":
         info["counts"] = dict(model._forge_patched_counts)
         info["skipped"] = dict(model._forge_skipped)

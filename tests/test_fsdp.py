@@ -11,7 +11,9 @@ The checks: the global loss at every step (and on CPU the first step's gradients
 full tensors) meet the oracle's rule (forge/spec/tolerance.py) against the same FSDP2 run
 unpatched in float64 (CPU) or float32 (GPU), with the unpatched FSDP2 run in the test dtype as
 the eager baseline; every kernel forge patched fused every call (``min_elements=0``); the layers
-were really sharded.
+were really sharded; and what FSDP2 frees stays free: no tensor saved for the backward is a copy
+of a gathered weight, and (full fine-tune) every layer is resharded before the backward reaches
+the embedding (``assert_holds_nothing``; saving a copy of one weight per layer fails it).
 
 CPU (gloo): torch 2.13's ``fully_shard`` runs on CPU tensors with gloo, so this is FSDP2 itself,
 not a stand-in. The tiny qwen2 (hidden 64, 2 layers), 2 AdamW steps, both interpreters: full
@@ -110,6 +112,17 @@ def assert_fused(info, layers, lora):
         assert st["fallback"] == 0 and (st["fused"] > 0 or key not in counts), (key, guard)
 
 
+def assert_holds_nothing(info, name, full):
+    """What FSDP2 frees, forge leaves free (tests/fsdp_worker.py::watched_forward): no copy of a
+    layer's gathered weight saved for the backward, and (a full fine-tune, whose backward reaches
+    the embedding) every decoder layer resharded by then."""
+    w = info["watch"]
+    assert w["saved"] > 0, (name, w)
+    assert w["weight_copies"] == 0, f"{name}: {w['weight_copies']} saved copies of a gathered weight outlive the forward"
+    if full:
+        assert w.get("gathered") == 0, f"{name}: decoder layers still gathered after their backward: {w}"
+
+
 # ------------------------------------------------------------------ CPU: gloo, interpreters
 CPU_RUNS = {  # name -> (fine-tune, kind); each backend and placement once
     "triton_before": ("", "triton:before"),
@@ -142,6 +155,8 @@ def test_fsdp2_cpu_matches_eager(cpu_results, name):
     info = cpu_results["runs"][name]
     assert_fused(info, SHAPES["cpu"]["num_hidden_layers"], lora)
     pre = "lora_" if lora else ""
+    assert_holds_nothing(cpu_results["runs"][pre + "eager"], pre + "eager", not lora)  # (eager keeps it too)
+    assert_holds_nothing(info, name, not lora)
     assert_rule(cpu_results, name, pre + "ref", pre + "eager", torch.float32, reduction("cpu", CPU_TOKENS[0] * CPU_TOKENS[1]))
 
 
@@ -214,6 +229,8 @@ def test_fsdp2_two_gpus_matches_eager(gpu_results, backend, ft, where):
     name = f"{ft}_{where}"
     info = res["runs"][name]
     assert_fused(info, SHAPES[GPU_SHAPE]["num_hidden_layers"], ft != "full")
+    assert_holds_nothing(base["runs"][f"{ft}_eager"], f"{ft}_eager", ft == "full")
+    assert_holds_nothing(info, name, ft == "full")
     eager = base["runs"][f"{ft}_eager"]["losses"]
     if ft == "dlora":  # independent dropout draws: the issue's 1% criterion, step by step
         for i, (f, e) in enumerate(zip(info["losses"], eager)):
