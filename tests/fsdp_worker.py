@@ -81,7 +81,8 @@ def build(a, lora, dropout, dtype, device):
 def watched_forward(model, ids):
     """A forward under FSDP2, watched for what forge must not hold. Returns (the loss, a dict):
     ``saved``, the tensors autograd saved; ``weight_copies``, those still holding memory after the
-    forward that equal a decoder layer's weight (or its transpose, in any dtype); and, once the
+    forward that equal a decoder layer's weight (or its transpose, in any dtype; LoRA's factors
+    aside); and, once the
     caller's backward has passed the embedding, ``gathered``: the decoder layers still gathered
     then (only where the embedding's output takes a gradient: a full fine-tune).
 
@@ -111,7 +112,10 @@ def watched_forward(model, ids):
     finally:
         handle.remove()
     alive = [t for t in saved if t.dim() == 2 and t.is_floating_point() and t.untyped_storage().nbytes()]
-    weights = [p.full_tensor() for layer in layers for p in layer.parameters() if p.dim() == 2]  # (collective)
+    # (collective) the layers' weights, not LoRA's rank-r factors: forge keeps an adapter's A in the
+    # input's dtype for its backward by design (rank x width, kilobytes; a copy where they differ)
+    weights = [p.full_tensor() for layer in layers for n, p in layer.named_parameters() if p.dim() == 2
+               and "lora_" not in n]
     seen["saved"] = len(saved)
     seen["weight_copies"] = sum(
         any(w.shape in (t.shape, t.T.shape) and torch.equal(t, (w if w.shape == t.shape else w.T).to(t.dtype))
