@@ -7,14 +7,17 @@ Rows are sorted by expert; ``offsets`` (E,) int32 holds each group's end row (gr
 read them from a ref: nothing waits on the host, and the launch grid is sized for the worst case.
 
 Row slots (the grouping): rows are cut in *aligned* blocks of ``BM`` (block b holds rows
-b BM .. b BM + BM - 1), and expert e owns one slot per aligned block from floor(start_e / BM) to
-floor(end_e / BM), both included (one more than it may need: a count that is a difference of
-two floors). The slots of experts 0..e then number C_e = floor(end_e / BM) + e + 1, so slot t
-belongs to the expert e = #{e' : C_e' <= t} (C rises strictly with e: one vector comparison over
-the offsets, no cumulative sum, no loop), and its block is t - e. There are floor(S / BM) + E
-slots at most, whatever the routing. A block shared by two experts is computed once for each,
-each storing only its own rows; a slot without rows (an expert without tokens, slots past the
-last expert) stores nothing. Rows past offsets[E-1] (invalid ids) are never read or written.
+b BM .. b BM + BM - 1), and an expert e with rows owns one slot per aligned block from
+floor(start_e / BM) to floor(end_e / BM), both included (one more than it may need: a count that
+is a difference of two floors); an expert without rows owns none. With n_e the experts with rows
+among 0..e (a cumulative sum over the offsets' lanes), the slots of experts 0..e number
+C_e = floor(end_e / BM) + n_e, so slot t belongs to the expert e = #{e' : C_e' <= t} (C never
+falls, and rises at every expert with rows: one vector comparison, no loop), and its block is
+t - n_(e-1). There are floor(S / BM) + min(E, S) slots at most, whatever the routing: a decoding
+step's few rows over many experts (8 rows, 128 experts) launch 9 row slots, not 128 mostly idle
+ones. A block shared by two experts is computed once for each, each storing only its own rows; a
+slot without rows (the one extra slot, slots past the last expert) stores nothing. Rows past
+offsets[E-1] (invalid ids) are never read or written.
 
 Gathers and scatters index a ref with two broadcast index vectors (rows, columns): the Triton
 lowering turns that into one pointer tile, and the interpreter into a numpy-style index. An
@@ -67,7 +70,7 @@ def _tiles(kind, dt, rows=None):
 
 def slots(s: int, n_exp: int, bm: int) -> int:
     """Grid slots along the rows for ``s`` sorted rows over ``n_exp`` experts (module docstring)."""
-    return C.row_programs(s // bm + n_exp)
+    return C.row_programs(s // bm + min(n_exp, s))
 
 
 def _tile_rows(off_ref, *, n_exp, bm):
@@ -75,12 +78,16 @@ def _tile_rows(off_ref, *, n_exp, bm):
     kernel's top level: the interpreter substitutes program ids there only."""
     t = pl.program_id(0)
     lane = jnp.arange(C.next_power_of_2(n_exp), dtype=jnp.int32)
-    ends = C.load(off_ref.at[C.ds(0, lane.size)], mask=lane < n_exp, other=_FAR)  # (EP,)
-    before = jnp.sum((lax.div(ends, jnp.int32(bm)) + lane + 1 <= t).astype(jnp.int32))
+    live = lane < n_exp
+    ends = C.load(off_ref.at[C.ds(0, lane.size)], mask=live, other=_FAR)  # (EP,)
+    starts = C.load(off_ref.at[jnp.clip(lane - 1, 0, n_exp - 1)], mask=live & (lane > 0), other=0)
+    has = (live & (ends > starts)).astype(jnp.int32)
+    n_with = jnp.cumsum(has)  # experts with rows among 0..lane
+    before = jnp.sum((lax.div(ends, jnp.int32(bm)) + n_with <= t).astype(jnp.int32))
     e = jnp.minimum(before, n_exp - 1)
     lo = jnp.where(e > 0, C.load(off_ref.at[pl.ds(jnp.maximum(e - 1, 0), 1)])[0], 0)
     hi = jnp.where(before < n_exp, C.load(off_ref.at[pl.ds(e, 1)])[0], lo)
-    block = t - e
+    block = t - jnp.sum(jnp.where(lane < e, has, 0))
     rows = block * bm + jnp.arange(bm, dtype=jnp.int32)
     rmask = (rows >= lo) & (rows < hi)
     return e, jnp.maximum(lo, block * bm) < jnp.minimum(hi, block * bm + bm), block * bm, rows, rmask

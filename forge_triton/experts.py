@@ -2,9 +2,10 @@
 node that strings them together: forge/ops/experts.py).
 
 Rows are sorted by expert; ``offsets`` (E,) holds each group's end row on the device. A grouped
-kernel's grid is sized for the worst case, ``cdiv(S, BLOCK_M) + E`` row tiles (each group adds at
-most one partial tile), and each program finds its expert and row range by one vector pass over
-the offsets; programs past the last tile do nothing. No host sync anywhere: the launch sizes depend
+kernel's grid is sized for the worst case, ``cdiv(S, BLOCK_M) + min(E, S)`` row tiles (each group
+with rows adds at most one partial tile, and at most min(E, S) groups have rows), and each program
+finds its expert and row range by one vector pass over the offsets; programs past the last tile do
+nothing. No host sync anywhere: the launch sizes depend
 on S, E and the widths only.
 """
 from __future__ import annotations
@@ -50,6 +51,15 @@ def _tiles(kind, dt, rows=None):
     few = rows is not None and rows <= FEW_ROWS and kind in TILES_FEW
     bm, bn, bk, warps, stages = (TILES_FEW if few else TILES)[kind]
     return bm, bn, max(16, bk * 2 // dt.itemsize), warps, stages
+
+
+def row_tiles(s_rows: int, e_n: int, bm: int) -> int:
+    """Row tiles of a grouped launch over ``s_rows`` sorted rows and ``e_n`` experts, for any
+    routing (module docstring). Bounded by the rows as well as the experts: a decoding step's few
+    rows (8 at batch 1, top-8) over 128 experts would otherwise launch 129 row tiles where 9 can
+    hold them, and the empty programs hold the SMs' slots (their shared memory is reserved as the
+    working programs') while the weights stream."""
+    return _common.cdiv(s_rows, bm) + min(e_n, s_rows)
 
 
 @triton.jit
@@ -315,7 +325,7 @@ def _grouped(a, idx, w, offsets, n, s_wn, s_wk, epi, gu=None, low=None, trans=Tr
             out = _common.empty((s_rows, 2 * n), a.dtype, a.device)
     if s_rows and n:
         dummy = h if out is None else out
-        grid = (_common.cdiv(s_rows, bm) + e_n, _common.cdiv(n, bn))
+        grid = (row_tiles(s_rows, e_n, bm), _common.cdiv(n, bn))
         a2, w2, scale2 = low if low is not None else (a, w, 1.0)
         a2 = _dense(a2)
         k2 = a2.shape[1] if low is not None else 0

@@ -1,7 +1,7 @@
 """The MoE expert block (forge.spec.experts) per backend against the float64 oracle, values and
 every gradient (hidden, top_k_weights, gate_up_proj, down_proj), at the shapes a grouped kernel
-finds awkward: top-1 and top-k = E, a single token, experts with no tokens, one expert taking
-every row (several row tiles), ids outside [0, E) (skipped), non-contiguous inputs; gradcheck in
+finds awkward: top-1 and top-k = E, a single token, experts with no tokens, fewer rows than
+experts, one expert taking every row (several row tiles), ids outside [0, E) (skipped), non-contiguous inputs; gradcheck in
 float64; and the backends against each other. The gpu cases run the real shapes."""
 from __future__ import annotations
 
@@ -60,6 +60,9 @@ CPU_CASES = {
     "empty_and_sentinel": dict(t=4, h=16, i=12, e=8, k=2,
                                ids=torch.tensor([[0, 1], [1, 8], [0, -1], [1, 0]])),
     "one_expert_many_tiles": dict(t=37, h=16, i=12, e=4, k=1, ids=_one_expert(37, 4)),
+    # fewer rows than experts (a decoding step's shape): the launch has row slots for the rows,
+    # not the experts; experts without rows before, between and after those with them
+    "few_rows_many_experts": dict(t=3, h=16, i=12, e=16, k=2, ids=torch.tensor([[15, 0], [7, 3], [0, 9]])),
 }
 
 

@@ -11,7 +11,7 @@ decode's ``--tokens``, 1 to 32), each piece timed as a replay of a CUDA graph of
 launch from the host takes longer than such a product).
 
     PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep] [--sweep-triton] [--few]
-        [--tokens T] [--best-out F]
+        [--tokens T] [--current] [--best-out F]
 """
 from __future__ import annotations
 
@@ -144,9 +144,10 @@ def _time_graph(fn, n=10, reps=5):
     return sorted(times)[len(times) // 2]
 
 
-def _sweep(backend, v, few=False):
+def _sweep(backend, v, few=False, current=False):
     """Each piece of ``backend`` at each candidate of its kind (the other kinds at their TILES);
-    ``few``: the few-row tiles (TILES_FEW) of the forward products, timed from graphs."""
+    ``few``: the few-row tiles (TILES_FEW) of the forward products, timed from graphs;
+    ``current``: only the tiles in use (to compare two versions of the code, run from each tree)."""
     if backend == "triton":
         import forge_triton
         from forge_triton import experts as tiles_mod
@@ -168,7 +169,7 @@ def _sweep(backend, v, few=False):
     timer = _time_graph if few else _time
     best = {}
     for kind, cands in (FEW_CANDIDATES if few else CANDIDATES).items():
-        for cfg in cands:
+        for cfg in [table[kind]] if current else cands:
             table[kind] = cfg
             if backend == "pallas":  # forget every trace of the last tiles: the recipes on disk (keyed
                 os.environ["FORGE_CACHE_DIR"] = tempfile.mkdtemp()  # by the code), the native plans,
@@ -206,11 +207,12 @@ def main():
     ap.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, help="tokens (default 4096)")
     ap.add_argument("--few", action="store_true", help="sweep the few-row tiles (TILES_FEW), timed from graphs")
+    ap.add_argument("--current", action="store_true", help="with a sweep: time only the tiles in use")
     ap.add_argument("--best-out", help="write the sweeps' best tiles per backend and kind here (JSON)")
     args = ap.parse_args()
     v = _inputs(**SHAPES[args.shape], **({"t": args.tokens} if args.tokens else {}))
     if args.sweep_triton or args.sweep:
-        best = {b: _sweep(b, v, args.few) for b in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep}
+        best = {b: _sweep(b, v, args.few, args.current) for b in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep}
         if args.best_out:
             with open(args.best_out, "w") as f:
                 json.dump(best, f)
