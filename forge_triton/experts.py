@@ -57,8 +57,8 @@ def row_tiles(s_rows: int, e_n: int, bm: int) -> int:
     """Row tiles of a grouped launch over ``s_rows`` sorted rows and ``e_n`` experts, for any
     routing (module docstring). Bounded by the rows as well as the experts: a decoding step's few
     rows (8 at batch 1, top-8) over 128 experts would otherwise launch 129 row tiles where 9 can
-    hold them, and the empty programs hold the SMs' slots (their shared memory is reserved as the
-    working programs') while the weights stream."""
+    hold them; the empty programs cost the down product half its time there (docs/moe.md, "The
+    grouped launches' row grid")."""
     return _common.cdiv(s_rows, bm) + min(e_n, s_rows)
 
 
