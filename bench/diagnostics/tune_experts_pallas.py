@@ -8,14 +8,17 @@ backends' ``TILES``, and with ``--best-out F`` written to F as JSON), against to
 ``--shape qwen3`` or ``olmoe``, ``--tokens T`` for another token count. ``--few`` sweeps the
 few-row tiles instead (``TILES_FEW``, the forward products of a decoding step: run it with a
 decode's ``--tokens``, 1 to 32), each piece timed as a replay of a CUDA graph of 10 calls (a
-launch from the host takes longer than such a product).
+launch from the host takes longer than such a product); with ``--copies N`` those calls cycle
+through N copies of the expert weights, so that they come from HBM as in a model's step (with one
+copy a decoding step's few experts stay in L2 between calls).
 
     PYTHONPATH=. python bench/diagnostics/tune_experts_pallas.py [--sweep] [--sweep-triton] [--few]
-        [--tokens T] [--current] [--best-out F]
+        [--tokens T] [--current] [--copies N] [--best-out F]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -50,6 +53,12 @@ def _inputs(t=4096, h=2048, i=768, e=128, k=8, seed=0):
 def _piece_calls(p, v):
     h, gu = p["glu_fwd"](v["x"], v["row_token"], v["offsets"], v["gate_up"], "silu")
     y = p["grouped_mm"](h, v["down"], v["offsets"])
+    if v.get("sets"):  # --copies: the forward products cycle through weight copies (see _rotating)
+        return {
+            "glu_fwd": _rotating(lambda w: p["glu_fwd"](v["x"], v["row_token"], v["offsets"], w[0], "silu"),
+                                 v["sets"]),
+            "grouped_mm (down)": _rotating(lambda w: p["grouped_mm"](h, w[1], v["offsets"]), v["sets"]),
+        }
     return {
         "glu_fwd": lambda: p["glu_fwd"](v["x"], v["row_token"], v["offsets"], v["gate_up"], "silu"),
         "grouped_mm (down)": lambda: p["grouped_mm"](h, v["down"], v["offsets"]),
@@ -60,6 +69,15 @@ def _piece_calls(p, v):
         "wgrad (down)": lambda: p["grouped_wgrad"](v["dy"], h, v["offsets"], None),
         "wgrad (gate_up)": lambda: p["grouped_wgrad"](v["dgu"], v["x"], v["offsets"], v["row_token"]),
     }
+
+
+def _rotating(call, sets):
+    """A call of ``call(w)`` on the next of ``sets`` (weight copies) each time. Captured in a
+    graph, each captured call keeps its copy, so a replay reads each copy's weights once, from
+    HBM, as a model's step reads each layer's: with one copy a decoding step's few experts (25-50
+    MB) stay in the 50 MB L2 between calls and the timing reads above HBM's rate."""
+    it = itertools.cycle(sets)
+    return lambda: call(next(it))
 
 
 def _block(backend, v):
@@ -208,9 +226,16 @@ def main():
     ap.add_argument("--tokens", type=int, help="tokens (default 4096)")
     ap.add_argument("--few", action="store_true", help="sweep the few-row tiles (TILES_FEW), timed from graphs")
     ap.add_argument("--current", action="store_true", help="with a sweep: time only the tiles in use")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="with --few: cycle the forward products through this many copies of the expert "
+                         "weights (8 or more: each call reads them from HBM, not L2)")
     ap.add_argument("--best-out", help="write the sweeps' best tiles per backend and kind here (JSON)")
     args = ap.parse_args()
     v = _inputs(**SHAPES[args.shape], **({"t": args.tokens} if args.tokens else {}))
+    if args.copies > 1:
+        if not args.few:
+            ap.error("--copies applies to --few (the forward products of a decoding step)")
+        v["sets"] = [(v["gate_up"].clone(), v["down"].clone()) for _ in range(args.copies)]
     if args.sweep_triton or args.sweep:
         best = {b: _sweep(b, v, args.few, args.current) for b in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep}
         if args.best_out:
