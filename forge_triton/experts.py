@@ -5,8 +5,7 @@ Rows are sorted by expert; ``offsets`` (E,) holds each group's end row on the de
 kernel's grid is sized for the worst case, ``cdiv(S, BLOCK_M) + min(E, S)`` row tiles (each group
 with rows adds at most one partial tile, and at most min(E, S) groups have rows), and each program
 finds its expert and row range by one vector pass over the offsets; programs past the last tile do
-nothing. No host sync anywhere: the launch sizes depend
-on S, E and the widths only.
+nothing. No host sync anywhere: the launch sizes depend on S, E and the widths only.
 """
 from __future__ import annotations
 

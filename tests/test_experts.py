@@ -1,8 +1,9 @@
 """The MoE expert block (forge.spec.experts) per backend against the float64 oracle, values and
 every gradient (hidden, top_k_weights, gate_up_proj, down_proj), at the shapes a grouped kernel
 finds awkward: top-1 and top-k = E, a single token, experts with no tokens, fewer rows than
-experts, one expert taking every row (several row tiles), ids outside [0, E) (skipped), non-contiguous inputs; gradcheck in
-float64; and the backends against each other. The gpu cases run the real shapes."""
+experts, one expert taking every row (several row tiles), ids outside [0, E) (skipped),
+non-contiguous inputs; gradcheck in float64; and the backends against each other. The gpu cases
+run the real shapes."""
 from __future__ import annotations
 
 import pytest

@@ -237,7 +237,8 @@ def main():
             ap.error("--copies applies to --few (the forward products of a decoding step)")
         v["sets"] = [(v["gate_up"].clone(), v["down"].clone()) for _ in range(args.copies)]
     if args.sweep_triton or args.sweep:
-        best = {b: _sweep(b, v, args.few, args.current) for b in ("triton",) * args.sweep_triton + ("pallas",) * args.sweep}
+        backends = ("triton",) * args.sweep_triton + ("pallas",) * args.sweep
+        best = {b: _sweep(b, v, args.few, args.current) for b in backends}
         if args.best_out:
             with open(args.best_out, "w") as f:
                 json.dump(best, f)
