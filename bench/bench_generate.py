@@ -56,9 +56,10 @@ VARIANTS = ("eager", "forge", "forge graphs", "forge graphs loop", "static + com
 # "forge graphs loop": the same with the device loop on (forge/patching/decode_loop.py)
 # diagnostic, by --variants only: forge graphs with SDPA in the decoding steps in place of the
 # backend's decoding attention kernel (what the kernel is worth, side by side)
-EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs", "forge graphs apart")
+EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs", "forge graphs apart", "forge graphs loop copies")
 # (the second: the Pallas backend, min_elements=0; the third: forge graphs loop with q/k/v and
-# gate/up weights each in their own memory, forge.patching.stacking.STACK_INFER off)
+# gate/up weights each in their own memory, forge.patching.stacking.STACK_INFER off; the fourth:
+# forge graphs loop writing the cache with transformers' index_copy_, not the backend's kv_append)
 COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ms_token", "ttft_ms", "ttft_eager_ms", "total_s",
            "first_s", "first_extra_s", "peak_MiB", "pool_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
 
@@ -100,11 +101,13 @@ def _setup(model, variant, quick):
             forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
         finally:
             stacking.STACK_INFER = was
-    elif variant in ("forge graphs", "forge graphs sdpa", "forge graphs loop"):
+    elif variant in ("forge graphs", "forge graphs sdpa", "forge graphs loop", "forge graphs loop copies"):
         forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
-        model._forge_graphs.decode.device_loop = variant == "forge graphs loop"
+        model._forge_graphs.decode.device_loop = variant.startswith("forge graphs loop")
         if variant == "forge graphs sdpa":
             model._forge_graphs.decode.attention = None  # (read when a cache is made: none is yet)
+        if variant == "forge graphs loop copies":
+            model._forge_graphs.decode.append = None  # (the same)
     return {"cache_implementation": "static"} if variant == "static + compile" else {}
 
 

@@ -14,6 +14,7 @@ import torch
 from forge.spec import _check
 from forge.spec import decode_attention as decode_attention_spec
 from forge.spec import geglu as geglu_spec
+from forge.spec import kv_append as kv_append_spec
 from forge.spec import rmsnorm as rmsnorm_spec
 from forge.spec import rope as rope_spec
 from forge.spec import swiglu as swiglu_spec
@@ -33,6 +34,7 @@ GLU_BWD_ACT = {kind: core.KernelDef(f"{kind}_bwd_act", functools.partial(_glu.gl
 # backward needs only cos and sin (saving q and k would pin activations torch's own rope does not)
 ROPE = core.KernelDef("rope", _rope.rope_fwd, _rope.rope_bwd, diff=(0, 1), save=(2, 3))
 DECODE_ATTENTION = core.KernelDef("decode_attention", _decode_attention.decode_attention_fwd, None, diff=())
+KV_APPEND = core.KernelDef("kv_append", _decode_attention.kv_append_fwd, None, diff=())
 
 _SEEN = _check.Validated()  # call signatures already validated
 
@@ -184,3 +186,26 @@ def decode_attention(q, k, v, mask=None, scale=None):
         kind, mask = "float", mask.contiguous()
     return core.apply(DECODE_ATTENTION, q.contiguous(), k.contiguous(), v.contiguous(), mask,
                       mask_kind=kind, scale=scale)
+
+
+def _check_kv_append(keys, values, k, v, n):
+    kv_append_spec.check(keys, values, k, v, n)
+    check_devices(keys=keys, values=values, k=k, v=v, n=n)
+
+
+def kv_append(keys, values, k, v, n):
+    """Pallas cache write with the signature of ``forge.spec.kv_append.reference``: in place,
+    through outputs aliasing keys, values and n's words (launched natively on the GPU, the same
+    buffers; the interpreter's outputs are copied back)."""
+    sig = ("kv_append", _tsig(keys, values, k, v, n))
+    checked(sig, _check_kv_append, keys, values, k, v, n)
+    b, h, c, d = keys.shape
+    words = kv_append_spec.counter_words(n)
+    if not (b and h and d):
+        words[0] += 1  # (no rows to write: the position still advances)
+        return
+    outs = core.apply(KV_APPEND, keys.view(b * h * c, d), values.view(b * h * c, d), k.reshape(b * h, d),
+                      v.reshape(b * h, d), words)
+    for out, dst in zip(outs, (keys, values, words)):
+        if out.data_ptr() != dst.data_ptr():
+            dst.view(out.shape).copy_(out)

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from . import _common as C
 
@@ -123,3 +124,38 @@ def decode_attention_fwd(q, k, v, mask, *, mask_kind, scale):
                   num_warps=4 if block_s * block_d <= 4096 else 8,
                   out_shape=jax.ShapeDtypeStruct((b * h, d), q.dtype))(part, stat)
     return (out.reshape(b, h, d),), ()
+
+
+# The cache write (forge/spec/kv_append.py) in one launch: a program per (sequence, head) row
+# copies that row's new key and value into the cache at the position the counter's low word
+# holds; each then takes a ticket on the high word, and the last one advances the position.
+def _append_kernel(k_ref, v_ref, keys_in, values_in, cnt_in, keys_ref, values_ref, cnt_ref, *, rows, c, d,
+                   block_d):
+    del keys_in, values_in, cnt_in  # (the buffers of the outputs they alias)
+    pos = C.load(cnt_ref.at[C.ds(0, 1)])[0]
+    r = pl.program_id(0)
+    cols = jnp.arange(block_d)
+    ok = (cols < d) & (r < rows) & (pos < c)
+    at = (r * C.i32(c) + pos, C.ds(0, block_d))
+    C.store(keys_ref.at[at], C.load(k_ref.at[r, C.ds(0, block_d)], mask=ok, other=0), mask=ok)
+    C.store(values_ref.at[at], C.load(v_ref.at[r, C.ds(0, block_d)], mask=ok, other=0), mask=ok)
+    # (acquire-release: every read above comes before the ticket)
+    ticket = plt.atomic_add(cnt_ref, C.ds(1, 1), jnp.ones((1,), jnp.int32))[0]
+
+    @pl.when(ticket == pl.num_programs(0) - 1)
+    def _():
+        C.store(cnt_ref.at[C.ds(0, 2)], jnp.where(jnp.arange(2) == 0, pos + 1, 0).astype(jnp.int32))
+
+
+def kv_append_fwd(keys, values, k, v, words):
+    """keys and values (B H C, D) rows, k and v (B H, D), words (2,) int32 -> ((keys, values,
+    words) updated in place: outputs aliasing those inputs), ())."""
+    rows, d = k.shape
+    c = keys.shape[0] // max(rows, 1)
+    append = functools.partial(_append_kernel, rows=rows, c=c, d=d, block_d=max(16, C.next_power_of_2(d)))
+    out = _launch(append, name="kv_append", grid=(C.row_programs(rows),), num_warps=1,
+                  out_shape=(jax.ShapeDtypeStruct(keys.shape, keys.dtype),
+                             jax.ShapeDtypeStruct(values.shape, values.dtype),
+                             jax.ShapeDtypeStruct(words.shape, words.dtype)),
+                  aliases={2: 0, 3: 1, 4: 2})(k, v, keys, values, words)
+    return tuple(out), ()

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from forge.spec import decode_attention as spec
+from forge.spec import kv_append as append_spec
 
 from . import _common, _launch
 
@@ -178,3 +179,47 @@ def decode_attention(q, k, v, mask=None, scale=None):
         _merge[(b * h,)](part, stat, out, so[0], so[1], h, g, d, nsplit,
                          BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=merge_warps)
     return out
+
+
+# -- the cache write (forge/spec/kv_append.py): one launch for keys, values and the length ------
+APPEND_ROWS = 8  # (sequence, head) rows per program
+
+
+@triton.jit
+def _kv_append_kernel(keys_ptr, values_ptr, k_ptr, v_ptr, cnt_ptr, ROWS, H, C, D, skb, skh, svb, svh,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    pos = tl.load(cnt_ptr)  # the low word: the position (read before this program's ticket)
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    b, h = r // H, r % H
+    live = tl.where(pos < C, ROWS, 0)  # (past the capacity no row is written)
+    ok = (r < live)[:, None] & (d < D)[None, :]
+    at = (r * C + pos)[:, None] * D + d[None, :]
+    kt = tl.load(k_ptr + (b * skb + h * skh)[:, None] + d[None, :], mask=ok)
+    vt = tl.load(v_ptr + (b * svb + h * svh)[:, None] + d[None, :], mask=ok)
+    tl.store(keys_ptr + at, kt, mask=ok)
+    tl.store(values_ptr + at, vt, mask=ok)
+    ticket = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")  # the high word
+    if ticket == tl.num_programs(0) - 1:  # the last program to read the position advances it
+        tl.store(cnt_ptr, pos + 1)
+        tl.store(cnt_ptr + 1, 0)
+
+
+_append = _launch.FastKernel(_kv_append_kernel)
+
+
+def kv_append(keys, values, k, v, n):
+    """Triton cache write with the signature of ``forge.spec.kv_append.reference``: k and v (B, H,
+    1, D) into keys and values (B, H, C, D) at position ``n`` (0-dim int64), then n += 1; in place."""
+    append_spec.check(keys, values, k, v, n)
+    _common.check_device(keys=keys, values=values, k=k, v=v, n=n)
+    b, h, c, d = keys.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    rows = b * h
+    grid = (max(1, _common.cdiv(rows, APPEND_ROWS)),)  # (no rows: one program still advances n)
+    _append[grid](keys, values, k, v, append_spec.counter_words(n), rows, h, c, d,
+                  k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  BLOCK_R=APPEND_ROWS, BLOCK_D=max(16, _common.next_pow2(d)), num_warps=1)

@@ -20,6 +20,7 @@ _runtime.ensure_triton_mode()  # before transformers imports triton (building a 
 
 import contextlib  # noqa: E402
 import copy  # noqa: E402
+import functools  # noqa: E402
 import inspect  # noqa: E402
 
 import pytest  # noqa: E402
@@ -215,15 +216,17 @@ def test_unpadded_prompt_runs_into_a_dynamic_cache(batch, fake_graphs, monkeypat
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter; on a CUDA "
                     "machine the gpu-marked cases run the compiled kernels inside real graphs")
-def test_one_token_update_writes_as_the_static_layer(monkeypatch):
+@pytest.mark.parametrize("append", [None, *forge.ops.BACKENDS])
+def test_one_token_update_writes_as_the_static_layer(monkeypatch, append):
     # forge's caches take decode_runtime.one_token_update: the same keys, values and counter as
-    # transformers' StaticLayer.update, one token at a time, with no arange for the index;
-    # several tokens at once run the class's own update
+    # transformers' StaticLayer.update, one token at a time, with no arange for the index (and
+    # with a backend's kv_append, in its one launch); several tokens at once run the class's own
     from transformers.cache_utils import StaticLayer
 
     g = torch.Generator().manual_seed(3)
     ref, ours = StaticLayer(max_cache_len=12), StaticLayer(max_cache_len=12)
-    ours.update = decode_runtime.one_token_update.__get__(ours)
+    kernel = None if append is None else forge.ops.get("kv_append", append)
+    ours.update = functools.partial(decode_runtime.one_token_update, ours, append=kernel)
     kv = [(torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)) for n in (5, 1, 1, 1, 2, 1)]
     aranges = []
     real_arange = torch.arange

@@ -138,17 +138,23 @@ def _attention(backends):
     """(kernel, its backend): the decoding attention kernel (``forge.spec.decode_attention``) of
     the backend that runs the model's RoPE (else its first kernel's); (None, "sdpa") where that
     backend has none: then the decoding steps use SDPA."""
-    from ..errors import BackendUnavailableError
-
     kernels = (b for b in backends.values() if b != TORCH)  # (TORCH: the q/k/v product stored together)
     backend = backends.get("rope") or next(kernels, None)
     if backend is None:
         return None, "sdpa"
+    kernel = _kernel_or_none("decode_attention", backend, "decoding steps attend with SDPA")
+    return (None, "sdpa") if kernel is None else (kernel, backend)
+
+
+def _kernel_or_none(key, backend, instead):
+    """``backend``'s kernel ``key``, or None (logged with what is done ``instead``) where it has none."""
+    from ..errors import BackendUnavailableError
+
     try:
-        return ops.get("decode_attention", backend), backend
+        return ops.get(key, backend)
     except BackendUnavailableError as e:
-        log.info("forge decode: decoding steps attend with SDPA (%s)", e)
-        return None, "sdpa"
+        log.info("forge decode: %s (%s)", instead, e)
+        return None
 
 
 class StepMask:
@@ -205,6 +211,10 @@ class Decoder:
         self.graphs = weakref.proxy(graphs)  # graphs holds this object: no reference cycle
         self.attention = attention  # the decoding steps' attention kernel, or None: SDPA
         self.attends = attends  # who computes it: a backend's name, or "sdpa"
+        # the decoding steps' cache write (forge.spec.kv_append) from the same backend, or None:
+        # transformers' two index_copy_ and a counter addition (read when a cache is made)
+        self.append = None if attention is None else _kernel_or_none("kv_append", attends,
+                                                                     "decoding steps write the cache with index_copy_")
         self.slots: dict[int, rt.CachedSteps] = {}  # batch size -> its cache; least recently used first
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
@@ -318,7 +328,7 @@ class Decoder:
             while len(self.slots) >= MAX_CACHES:
                 self.slots.pop(next(iter(self.slots)))
             slot = rt.CachedSteps(StaticCache(config=self.root.config, max_cache_len=cap), batch, cap,
-                                  self.attention, self.root.get_output_embeddings())
+                                  self.attention, self.root.get_output_embeddings(), self.append)
             self.graphs.stats.decode_caches += 1
         self.slots[batch] = slot  # most recently used last
         return slot

@@ -30,6 +30,7 @@ captured in the *given* form, with the masks at static addresses, copied in per 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import types
 import warnings
@@ -280,15 +281,20 @@ class MaskForm:
         return MaskForm(mask.dtype, None)
 
 
-def one_token_update(self, key_states, value_states, *args, **kwargs):
+def one_token_update(self, key_states, value_states, *args, append=None, **kwargs):
     """``StaticLayer.update`` of forge's caches, for one new token per sequence: the token's
     index is the layer's position counter itself (a view), so a step writes the keys and values
     and advances the counter with no ``arange`` and no addition to make the index (two kernels a
-    layer and step fewer). Any other call runs the class's own update."""
+    layer and step fewer). With ``append`` (a backend's ``forge.spec.kv_append``) the write and
+    the advance are one launch instead of three. Any other call runs the class's own update."""
     n = getattr(self, "cumulative_length", None)
     if (key_states.shape[-2] != 1 or not self.is_initialized or not isinstance(n, torch.Tensor) or n.dim() != 0
             or n.device != self.keys.device):
         return type(self).update(self, key_states, value_states, *args, **kwargs)
+    if (append is not None and key_states.dtype == self.keys.dtype == value_states.dtype
+            and key_states.shape == value_states.shape and not torch.compiler.is_compiling()):
+        append(self.keys, self.values, key_states, value_states, n)
+        return self.keys, self.values
     idx = n.view(1)
     self.keys.index_copy_(2, idx, key_states)
     self.values.index_copy_(2, idx, value_states)
@@ -299,12 +305,13 @@ def one_token_update(self, key_states, value_states, *args, **kwargs):
 class CachedSteps:
     """The captured decoding steps on one static cache (one batch size, one capacity)."""
 
-    def __init__(self, cache, batch: int, capacity: int, attention=None, head=None):
+    def __init__(self, cache, batch: int, capacity: int, attention=None, head=None, append=None):
         from transformers.cache_utils import StaticLayer
 
+        update = one_token_update if append is None else functools.partial(one_token_update, append=append)
         for ly in cache.layers:  # (forge's own cache: its full-attention layers take the one-token update)
             if type(ly) is StaticLayer:
-                ly.update = types.MethodType(one_token_update, ly)
+                ly.update = types.MethodType(update, ly)
         self.cache, self.batch, self.capacity = cache, batch, capacity
         self.attention = attention  # the decoding attention kernel (forge.spec.decode_attention), or None: SDPA
         self.head = head  # the model's LM head (logits_outside_pool), or None
