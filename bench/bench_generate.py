@@ -56,10 +56,12 @@ VARIANTS = ("eager", "forge", "forge graphs", "forge graphs loop", "static + com
 # "forge graphs loop": the same with the device loop on (forge/patching/decode_loop.py)
 # diagnostic, by --variants only: forge graphs with SDPA in the decoding steps in place of the
 # backend's decoding attention kernel (what the kernel is worth, side by side)
-EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs", "forge graphs apart", "forge graphs loop copies")
+EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs", "forge graphs apart", "forge graphs loop kv_append",
+                  "forge pallas graphs kv_append")
 # (the second: the Pallas backend, min_elements=0; the third: forge graphs loop with q/k/v and
-# gate/up weights each in their own memory, forge.patching.stacking.STACK_INFER off; the fourth:
-# forge graphs loop writing the cache with transformers' index_copy_, not the backend's kv_append)
+# gate/up weights each in their own memory, forge.patching.stacking.STACK_INFER off; the last
+# two: those of Triton and Pallas writing the cache with the backend's kv_append,
+# forge.patching.decode.KV_APPEND on)
 COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ms_token", "ttft_ms", "ttft_eager_ms", "total_s",
            "first_s", "first_extra_s", "peak_MiB", "pool_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
 
@@ -91,6 +93,14 @@ def _setup(model, variant, quick):
     kernels = ["fused_linear_ce"] if quick else None  # --quick: no interpreted kernels (seconds, not minutes)
     if variant == "forge":
         forge.patch(model, mode="infer", backend="triton", kernels=kernels)
+    elif variant.endswith(" kv_append"):
+        from forge.patching import decode
+
+        was, decode.KV_APPEND = decode.KV_APPEND, True  # read at patch time only
+        try:
+            return _setup(model, variant.removesuffix(" kv_append"), quick)
+        finally:
+            decode.KV_APPEND = was
     elif variant == "forge pallas graphs":
         forge.patch(model, mode="infer", backend="pallas", kernels=kernels, graphs=True, min_elements=0)
     elif variant == "forge graphs apart":
@@ -101,13 +111,11 @@ def _setup(model, variant, quick):
             forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
         finally:
             stacking.STACK_INFER = was
-    elif variant in ("forge graphs", "forge graphs sdpa", "forge graphs loop", "forge graphs loop copies"):
+    elif variant in ("forge graphs", "forge graphs sdpa", "forge graphs loop"):
         forge.patch(model, mode="infer", backend="triton", kernels=kernels, graphs=True)
-        model._forge_graphs.decode.device_loop = variant.startswith("forge graphs loop")
+        model._forge_graphs.decode.device_loop = variant == "forge graphs loop"
         if variant == "forge graphs sdpa":
             model._forge_graphs.decode.attention = None  # (read when a cache is made: none is yet)
-        if variant == "forge graphs loop copies":
-            model._forge_graphs.decode.append = None  # (the same)
     return {"cache_implementation": "static"} if variant == "static + compile" else {}
 
 

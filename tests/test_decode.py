@@ -265,6 +265,28 @@ def test_forge_kernels_run_inside_the_captured_step(fake_graphs, monkeypatch):
         assert gs.fused(key) > 0, gs  # the capture fuses every size (the guard would fall back here)
 
 
+@pytest.mark.parametrize("on", [False, True])
+def test_kv_append_writes_the_decoding_steps_cache(fake_graphs, monkeypatch, on):
+    # with decode.KV_APPEND on, the decoding steps write keys, values and the length with the
+    # attention backend's kv_append (and the tokens still follow eager's); off, it is never called.
+    # (Triton only: graphs=True declines Pallas in the CPU interpreter; test_one_token_update_*
+    # and test_kv_append.py cover Pallas' write on the CPU, the gpu case below its decoding steps)
+    import forge_triton
+
+    kernel, calls = forge.ops.get("kv_append", "triton"), []
+    monkeypatch.setattr(forge_triton, "kv_append", lambda *a: calls.append(a[2].shape) or kernel(*a))
+    monkeypatch.setattr(decode, "KV_APPEND", on)
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 2, 4, "cpu")
+    _check_generate(model, ids, mask, 4, torch.float32, torch.float64, backend="triton", graphs=True)
+    assert model._forge_graphs.stats.decode_replayed > 0
+    assert (model._forge_graphs.decode.append is not None) == on
+    if on:  # (at least the warm-up steps and the capture, a layer each; the stand-in's replays rerun it)
+        assert len(calls) >= model.config.num_hidden_layers * (decode_runtime.WARMUP + 1), calls
+    else:
+        assert not calls
+
+
 def test_sampling_with_a_seed(fake_graphs):
     model = _model("qwen3")
     ids, mask = _prompt(model, 3, 5, "cpu")
@@ -644,6 +666,25 @@ def test_greedy_generate_pallas_gpu():
     assert model._forge_graphs.decode.attends == "pallas"
     assert st.decode_captures == 1 and st.decode_replayed > 0, st
     assert not [w for w in st.why if "capture failed" in w], st
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", forge.ops.BACKENDS)
+def test_greedy_generate_kv_append_gpu(backend, monkeypatch):
+    # decode.KV_APPEND on: the captured steps write the cache with the backend's kv_append
+    if backend == "pallas":
+        from bridge import native
+
+        if not native.available()[0]:
+            pytest.skip(f"the Pallas native launch is unavailable here: {native.available()[1]}")
+    monkeypatch.setattr(decode, "KV_APPEND", True)
+    model = _model("qwen3", "qwen05b", torch.bfloat16, "cuda")
+    ids, mask = _prompt(model, 2, 32, "cuda")
+    kw = {"min_elements": 0} if backend == "pallas" else {}
+    _check_generate(model, ids, mask, 16, torch.bfloat16, torch.float32, backend=backend, graphs=True, **kw)
+    st = model._forge_graphs.stats
+    assert model._forge_graphs.decode.append is not None and model._forge_graphs.decode.attends == backend
+    assert st.decode_captures == 1 and st.decode_replayed > 0, st
 
 
 @pytest.mark.gpu

@@ -50,6 +50,10 @@ BUCKET = 256  # static cache lengths are multiples of this
 MAX_CACHES = 4  # static caches kept (one per batch size)
 ATTN_OK = ("sdpa", "eager")
 MODES = ("greedy_search", "sample")
+# the decoding steps write the cache with the attention backend's kv_append (one launch a layer,
+# forge.spec.kv_append) instead of transformers' three: off until its compiled kernels have run
+# on a GPU (docs/generate.md, "The cache write in one launch"); read when a model is patched
+KV_APPEND = False
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
 _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                           "return_dict", "output_attentions", "output_hidden_states"})
@@ -211,10 +215,10 @@ class Decoder:
         self.graphs = weakref.proxy(graphs)  # graphs holds this object: no reference cycle
         self.attention = attention  # the decoding steps' attention kernel, or None: SDPA
         self.attends = attends  # who computes it: a backend's name, or "sdpa"
-        # the decoding steps' cache write (forge.spec.kv_append) from the same backend, or None:
-        # transformers' two index_copy_ and a counter addition (read when a cache is made)
-        self.append = None if attention is None else _kernel_or_none("kv_append", attends,
-                                                                     "decoding steps write the cache with index_copy_")
+        # the decoding steps' cache write (forge.spec.kv_append) from the same backend where
+        # KV_APPEND is on, else None: two index_copy_ and a counter addition (read when a cache is made)
+        self.append = None if attention is None or not KV_APPEND else _kernel_or_none(
+            "kv_append", attends, "decoding steps write the cache with index_copy_")
         self.slots: dict[int, rt.CachedSteps] = {}  # batch size -> its cache; least recently used first
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
