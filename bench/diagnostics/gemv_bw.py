@@ -1,5 +1,6 @@
 """How close a decoding step's products come to the copy bandwidth: cuBLAS (F.linear) against a
-plain Triton matrix-vector kernel, at the Llama-3-8B decode shapes (1 and 8 rows), bf16.
+plain Triton matrix-vector kernel, at the Llama-3-8B (or, with
+``--shape qwen3-30b-a3b``, Qwen3-30B-A3B) decode shapes (1 and 8 rows), bf16.
 
 A decoding step at batch 1-8 reads every weight once, so its products are bound by bytes. This
 times each product alone (device time from the profiler, weights rotated over copies larger than
@@ -34,6 +35,10 @@ import triton.language as tl  # noqa: E402
 SHAPES = [("qkv", 6144, 4096, 32), ("q", 4096, 4096, 0), ("k or v", 1024, 4096, 0), ("o", 4096, 4096, 32),
           ("gate_up", 28672, 4096, 32), ("gate or up", 14336, 4096, 0), ("down", 4096, 14336, 32),
           ("head", 128256, 4096, 1)]
+# Qwen3-30B-A3B's dense products a decoding step reads (48 layers): q/k/v stored together, o, the
+# router (128 experts), the head; its experts are forge's grouped kernels (tune_experts_pallas.py)
+SHAPES_QWEN3 = [("qkv", 5120, 2048, 48), ("o", 2048, 4096, 48), ("router", 128, 2048, 48),
+                ("head", 151936, 2048, 1)]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 L2_BYTES = 256 * 2**20 if DEV == "cuda" else 1  # rotate over this many bytes of weight copies (H100/H200 L2: 50-60 MB)
 
@@ -117,6 +122,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--quick", action="store_true", help="two settings per kernel, for a smoke test")
+    ap.add_argument("--shape", default="llama3-8b", choices=["llama3-8b", "qwen3-30b-a3b"])
     a = ap.parse_args()
     rows_list = [int(r) for r in a.rows.split(",")]
     grid_row = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (1, 4)))
@@ -124,9 +130,9 @@ def main():
     if a.quick:
         grid_row, grid_rows = grid_row[:2], grid_rows[:2]
     dtype = torch.bfloat16
-    shapes = SHAPES
+    shapes = SHAPES if a.shape == "llama3-8b" else SHAPES_QWEN3
     if a.quick:  # (the interpreter on a CPU: small widths, one L2-sized copy is plenty)
-        shapes = [(name, n // 64, k // 64, t) for name, n, k, t in SHAPES]
+        shapes = [(name, n // 64, k // 64, t) for name, n, k, t in shapes]
     results = []
     for m in rows_list:
         for name, n, k, per_token in shapes:
@@ -155,10 +161,10 @@ def main():
         rs = [r for r in results if r["rows"] == m and r["per_token"]]
         cub = sum(r["cublas_us"] * r["per_token"] for r in rs) / 1e3
         tri = sum(min(r["triton_us"], r["cublas_us"]) * r["per_token"] for r in rs) / 1e3
-        print(f"rows {m}: one token's products (stacked q/k/v and gate/up, 32 layers + head): "
+        print(f"rows {m}: one token's products (stacked q/k/v and gate/up, every layer + head): "
               f"cuBLAS {cub:.3f} ms, best of the two per product {tri:.3f} ms")
     bc.write_results(Path(os.environ.get("FORGE_BENCH_OUT", "forge-bench-results")), "gemv_bw", results,
-                     case=f"llama3-8b-rows{a.rows.replace(',', '-')}")
+                     case=f"{a.shape}-rows{a.rows.replace(',', '-')}")
 
 
 if __name__ == "__main__":
