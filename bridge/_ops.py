@@ -91,7 +91,7 @@ def _size(s, assign) -> int:
     return int(s.node.expr.subs(assign)) if isinstance(s, torch.SymInt) else int(s)
 
 
-def _shape_eval(fn, *groups):
+def _shape_eval(fn, *groups, fixed=()):
     """``jax.eval_shape(fn, *groups)`` (each group a tuple of tensors or None, after the bridge's
     dtype decisions) as a pytree of (torch size, torch dtype), without specialising symbolic sizes.
 
@@ -101,9 +101,18 @@ def _shape_eval(fn, *groups):
     with each symbol moved by its own offset. An output size that moves with them is written as
     the input size, or product of two, that moves the same way in every evaluation. If any output
     size matches none, every input size is read as an int, which specialises the trace to these
-    sizes as before (a guard each, so another size compiles again and is never served wrongly)."""
+    sizes as before (a guard each, so another size compiles again and is never served wrongly).
+
+    ``fixed``: sizes the kernel's trace unrolls a loop over (a router's top-k). Moved to the large
+    setting they would unroll it thousands of times, so each is read as an int (a guard) and its
+    symbols keep their values in every evaluation."""
     jax = runtime.jax_module()
     tensors = [t for g in groups for t in g if t is not None]
+    held = set()
+    for s in fixed:
+        if isinstance(s, torch.SymInt):
+            held |= s.node.expr.free_symbols
+            int(s)
     sized = [s for t in tensors for s in t.shape if isinstance(s, torch.SymInt) and s.node.expr.free_symbols]
     syms = _symbols(tensors)
     if any(not s.node.expr.free_symbols <= syms.keys() for s in sized):
@@ -122,8 +131,8 @@ def _shape_eval(fn, *groups):
         return concrete(first)
     # two other settings of the symbols, each moved by its own offset (a small one, and a large
     # one that also catches a size that moves only in steps, such as a count of blocks)
-    moves = [{sym: v + 2 * k + 3 for k, (sym, v) in enumerate(syms.items())},
-             {sym: 4 * v + 4 * k + 4099 for k, (sym, v) in enumerate(syms.items())}]
+    moves = [{sym: v if sym in held else v + 2 * k + 3 for k, (sym, v) in enumerate(syms.items())},
+             {sym: v if sym in held else 4 * v + 4 * k + 4099 for k, (sym, v) in enumerate(syms.items())}]
     try:
         others = [jax.eval_shape(fn, *specs(m)) for m in moves]
     except Exception:  # noqa: BLE001 - sizes the function refuses: read as ints below
@@ -157,7 +166,8 @@ def fake_fwd(kdef, tensors, static):
     prepared = _prepared(kdef, tensors)
     device = next(t.device for t in tensors if t is not None)
     fwd = kdef.py_fn("fwd", tuple(static.items()))
-    outs, res = _shape_eval(lambda ts: fwd(*ts), prepared)
+    fixed = [tensors[i].shape[d] for i, d in kdef.static_dims if tensors[i] is not None]
+    outs, res = _shape_eval(lambda ts: fwd(*ts), prepared, fixed=fixed)
     return [_empty(o, device) for o in outs], [_empty(r, device) for r in res]
 
 

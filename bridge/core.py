@@ -56,9 +56,9 @@ class KernelDef:
     """A Pallas kernel as the bridge sees it. See the module docstring."""
 
     __slots__ = ("name", "fwd", "bwd", "diff", "save", "nondiff_outputs",
-                 "needs_mask", "_fwd_jit", "_bwd_jit", "_py")
+                 "needs_mask", "static_dims", "_fwd_jit", "_bwd_jit", "_py")
 
-    def __init__(self, name, fwd, bwd, *, diff, save=None, nondiff_outputs=(), needs_mask=False):
+    def __init__(self, name, fwd, bwd, *, diff, save=None, nondiff_outputs=(), needs_mask=False, static_dims=()):
         self.name = name
         self.fwd = fwd
         self.bwd = bwd
@@ -66,6 +66,9 @@ class KernelDef:
         self.save = None if save is None else frozenset(save)
         self.nondiff_outputs = tuple(nondiff_outputs)
         self.needs_mask = needs_mask
+        # (input position, dim) of sizes the kernel unrolls over (a router's top-k): a compile
+        # with symbolic sizes reads these as ints (bridge/_ops.py, _shape_eval)
+        self.static_dims = tuple(static_dims)
         self._fwd_jit: dict = {}  # static key -> jitted fwd
         self._bwd_jit: dict = {}  # (static key, needs) -> jitted bwd
         self._py: dict = {}  # (pass, static key, needs) -> the plain function (native plans)

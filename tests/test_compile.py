@@ -167,6 +167,19 @@ def test_pallas_fake_sizes_symbolic_only_where_an_input_explains_them():
         (out,) = _ops._shape_eval(lambda ts: (jnp.zeros((blocks(ts[0].shape[1]),)),), (x,))
         assert out[0] == (blocks(10),) and type(out[0][0]) is int
         assert env.guards, "the symbolic sizes were read without a guard"
+    # a size the kernel unrolls a loop over (``fixed``: the un-permutes' top-k) keeps its value in
+    # every evaluation, read as an int under a guard, while the other sizes move and stay symbolic
+    env, x = fake_rows((3, 10))
+    seen = set()
+
+    def unrolled(ts):
+        seen.add(ts[0].shape)
+        return (jnp.zeros(ts[0].shape[:2]),)
+
+    (out,) = _ops._shape_eval(unrolled, (x,), fixed=[x.shape[1]])
+    assert len(seen) == 3 and {sh[1] for sh in seen} == {10}, seen
+    assert isinstance(out[0][0], torch.SymInt) and out[0][1] == 10 and type(out[0][1]) is int
+    assert env.guards, "the held size was read without a guard"
 
 
 def test_pallas_fakes_keep_sizes_symbolic():
