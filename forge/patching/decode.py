@@ -217,8 +217,12 @@ class Decoder:
         self.attends = attends  # who computes it: a backend's name, or "sdpa"
         # the decoding steps' cache write (forge.spec.kv_append) from the same backend where
         # KV_APPEND is on, else None: two index_copy_ and a counter addition (read when a cache is made)
-        self.append = None if attention is None or not KV_APPEND else _kernel_or_none(
+        # (Pallas' is not served on a GPU, the only place its decoding steps run: bridge.kv_append)
+        self.append = None if attention is None or not KV_APPEND or attends == "pallas" else _kernel_or_none(
             "kv_append", attends, "decoding steps write the cache with index_copy_")
+        if KV_APPEND and attends == "pallas":
+            log.info("forge decode: decoding steps write the cache with index_copy_ (the Pallas kv_append "
+                     "is not served on a GPU)")
         self.slots: dict[int, rt.CachedSteps] = {}  # batch size -> its cache; least recently used first
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
