@@ -52,13 +52,15 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", action="store_true",
-                   help="also profile two more steps of each variant on rank 0 (torch.profiler): its host op time "
-                        "against the device's busy time, to tell a host-bound step from a device-bound one")
+                   help="also profile two more steps (one with --quick) of each variant on rank 0 (torch.profiler): "
+                        "its host op time against the device's busy time, to tell a host-bound step from a "
+                        "device-bound one")
     p.add_argument("--quick", action="store_true", help="tiny preset on the CPU, a few steps")
     bc.add_out_argument(p)
     a = p.parse_args(argv)
     if a.quick:
-        a.model, a.batch, a.seq_len, a.steps, a.warmup = "tiny", 2, 32, 2, 1
+        # (short: a forge step takes seconds in the interpreters)
+        a.model, a.batch, a.seq_len, a.steps, a.warmup = "tiny", 2, 16, 1, 1
     return a
 
 
@@ -106,7 +108,7 @@ def run_variant(a, case: str, ckpt: bool, variant: str, device) -> dict:
         st = model._forge_guard_stats.as_dict()
         row["fallbacks"] = {k: v["fallback"] for k, v in st.items() if v.get("fallback")}
     if a.profile:
-        row.update(_profiled(lambda s: step_(a.warmup + a.steps + s), device))
+        row.update(_profiled(lambda s: step_(a.warmup + a.steps + s), device, 1 if a.quick else 2))
     mine = [statistics.median(times),
             torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
             torch.cuda.max_memory_reserved(device) / 2**20 if cuda else 0.0]
@@ -121,9 +123,9 @@ def run_variant(a, case: str, ckpt: bool, variant: str, device) -> dict:
     return row
 
 
-def _profiled(step, device) -> dict:
-    """Two more steps, rank 0 under torch.profiler: host op time and device busy time per step."""
-    p = ex.profile_steps(step, device, steps=2)
+def _profiled(step, device, steps) -> dict:
+    """``steps`` more steps, rank 0 under torch.profiler: host op time and device busy time per step."""
+    p = ex.profile_steps(step, device, steps=steps)
     if p is None:
         return {}
     return {"prof_wall_ms": p["wall_ms_per_step"], "prof_host_op_ms": p["host_op_ms_per_step"],

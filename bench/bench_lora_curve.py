@@ -88,7 +88,7 @@ def main(argv=None):
     bc.add_out_argument(ap)
     a = ap.parse_args(argv)
     if a.quick:
-        a.model, a.steps, a.batch, a.seq_len, a.window = "tiny", 4, 2, 16, 2
+        a.model, a.steps, a.batch, a.seq_len, a.window = "tiny", 3, 1, 16, 2
     bc.say_smoke_test()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = _lora(build(a.model, torch.bfloat16 if device == "cuda" else torch.float32, device), a.lora)

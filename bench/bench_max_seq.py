@@ -121,7 +121,7 @@ def main(argv=None):
     bc.add_out_argument(ap)
     a = ap.parse_args(argv)
     if a.quick:
-        a.model, a.start, a.limit, a.granularity = "tiny", 16, 64, 8
+        a.model, a.start, a.limit, a.granularity = "tiny", 16, 32, 8
     bc.say_smoke_test()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

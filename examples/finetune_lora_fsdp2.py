@@ -86,7 +86,7 @@ def parse(argv=None):
     a = p.parse_args(argv)
     if a.quick:
         a.preset, a.model = "tiny", None
-        a.steps, a.batch, a.seq_len = min(a.steps, 4), 2, 32
+        a.steps, a.batch, a.seq_len = min(a.steps, 3), 2, 16  # (short: the interpreters take seconds a step)
         a.max_text_mb = min(a.max_text_mb, 0.5)
     return a
 

@@ -183,7 +183,7 @@ def test_bench_max_seq_quick(tmp_path):
     rows = _rows(tmp_path, "bench_max_seq")
     assert {(r["variant"], r["checkpointing"]) for r in rows} == {
         ("eager", "off"), ("forge triton", "off"), ("eager", "on"), ("forge triton", "on")}
-    assert all(int(r["max_len"]) == 64 for r in rows)  # the --quick limit: nothing runs out of memory on a CPU
+    assert all(int(r["max_len"]) == 32 for r in rows)  # the --quick limit: nothing runs out of memory on a CPU
 
 
 def test_bench_fsdp_quick(tmp_path):
