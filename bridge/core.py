@@ -30,7 +30,9 @@ per output (contiguous; zeros for an output that got no gradient). ``bwd`` may r
 for an input without a gradient. Optional fields: ``save`` (input positions ``bwd`` needs, default all),
 ``nondiff_outputs`` (output positions without a gradient, e.g. an int count), and
 ``needs_mask=True`` to receive ``needs=(bool, ...)`` (which inputs want a gradient; static) in
-``bwd``, so frozen weights skip their gradient kernels.
+``bwd``, so frozen weights skip their gradient kernels, and ``writes`` (forward input positions
+the caller hands over to be updated in place: a plan's outputs aliasing them, through
+``input_output_aliases``, are those tensors' own buffers, not copies; a cache write).
 
 Transport: the DLPack path's rules (zero-copy imports afresh on every call, every output through
 ``torch.from_dlpack`` before the call returns) and the dtype decisions both paths share
@@ -56,9 +58,10 @@ class KernelDef:
     """A Pallas kernel as the bridge sees it. See the module docstring."""
 
     __slots__ = ("name", "fwd", "bwd", "diff", "save", "nondiff_outputs",
-                 "needs_mask", "static_dims", "_fwd_jit", "_bwd_jit", "_py")
+                 "needs_mask", "static_dims", "writes", "_fwd_jit", "_bwd_jit", "_py")
 
-    def __init__(self, name, fwd, bwd, *, diff, save=None, nondiff_outputs=(), needs_mask=False, static_dims=()):
+    def __init__(self, name, fwd, bwd, *, diff, save=None, nondiff_outputs=(), needs_mask=False, static_dims=(),
+                 writes=()):
         self.name = name
         self.fwd = fwd
         self.bwd = bwd
@@ -69,6 +72,7 @@ class KernelDef:
         # (input position, dim) of sizes the kernel unrolls over (a router's top-k): a compile
         # with symbolic sizes reads these as ints (bridge/_ops.py, _shape_eval)
         self.static_dims = tuple(static_dims)
+        self.writes = tuple(writes)  # (the forward's inputs updated in place: see the module docstring)
         self._fwd_jit: dict = {}  # static key -> jitted fwd
         self._bwd_jit: dict = {}  # (static key, needs) -> jitted bwd
         self._py: dict = {}  # (pass, static key, needs) -> the plain function (native plans)

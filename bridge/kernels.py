@@ -34,7 +34,8 @@ GLU_BWD_ACT = {kind: core.KernelDef(f"{kind}_bwd_act", functools.partial(_glu.gl
 # backward needs only cos and sin (saving q and k would pin activations torch's own rope does not)
 ROPE = core.KernelDef("rope", _rope.rope_fwd, _rope.rope_bwd, diff=(0, 1), save=(2, 3))
 DECODE_ATTENTION = core.KernelDef("decode_attention", _decode_attention.decode_attention_fwd, None, diff=())
-KV_APPEND = core.KernelDef("kv_append", _decode_attention.kv_append_fwd, None, diff=())
+# (keys, values and the counter's words updated in place: the launch writes the caller's buffers)
+KV_APPEND = core.KernelDef("kv_append", _decode_attention.kv_append_fwd, None, diff=(), writes=(0, 1, 4))
 
 _SEEN = _check.Validated()  # call signatures already validated
 
@@ -195,17 +196,10 @@ def _check_kv_append(keys, values, k, v, n):
 
 def kv_append(keys, values, k, v, n):
     """Pallas cache write with the signature of ``forge.spec.kv_append.reference``: in place,
-    through outputs aliasing keys, values and n's words (the interpreter's outputs are copied
-    back). Refused on a GPU (below)."""
+    through outputs aliasing keys, values and n's words (launched natively on the GPU, the same
+    buffers; the interpreter's outputs are copied back)."""
     sig = ("kv_append", _tsig(keys, values, k, v, n))
     checked(sig, _check_kv_append, keys, values, k, v, n)
-    if keys.is_cuda:
-        # run compiled on an H100 (2026-12-07), the launch left the position counter where it was
-        # (the interpreter's runs pass): refused on a GPU until that is understood and fixed
-        raise NotImplementedError(
-            "forge: the Pallas kv_append is not served on a GPU: its compiled launch did not advance the "
-            "position counter (docs/generate.md, 'The cache write in one launch'); use the Triton backend's "
-            "kv_append, or transformers' cache update")
     b, h, c, d = keys.shape
     words = kv_append_spec.counter_words(n)
     if not (b and h and d):

@@ -132,19 +132,23 @@ def decode_attention_fwd(q, k, v, mask, *, mask_kind, scale):
 def _append_kernel(k_ref, v_ref, keys_in, values_in, cnt_in, keys_ref, values_ref, cnt_ref, *, rows, c, d,
                    block_d):
     del keys_in, values_in, cnt_in  # (the buffers of the outputs they alias)
-    pos = C.load(cnt_ref.at[C.ds(0, 1)])[0]
+    pos = cnt_ref[0]
     r = pl.program_id(0)
     cols = jnp.arange(block_d)
     ok = (cols < d) & (r < rows) & (pos < c)
     at = (r * C.i32(c) + pos, C.ds(0, block_d))
     C.store(keys_ref.at[at], C.load(k_ref.at[r, C.ds(0, block_d)], mask=ok, other=0), mask=ok)
     C.store(values_ref.at[at], C.load(v_ref.at[r, C.ds(0, block_d)], mask=ok, other=0), mask=ok)
-    # (acquire-release: every read above comes before the ticket)
-    ticket = plt.atomic_add(cnt_ref, C.ds(1, 1), jnp.ones((1,), jnp.int32))[0]
+    # (acquire-release: every read above comes before the ticket). A scalar atomic: Triton hands
+    # its old value to every thread of the program; a one-element vector's is defined only in the
+    # thread that ran it, and the program's last ticket went unseen on an H100
+    high = r * 0 + 1  # (the high word's index, traced: Pallas' atomic takes no Python int)
+    ticket = plt.atomic_add(cnt_ref, high, jnp.int32(1))
 
     @pl.when(ticket == pl.num_programs(0) - 1)
     def _():
-        C.store(cnt_ref.at[C.ds(0, 2)], jnp.where(jnp.arange(2) == 0, pos + 1, 0).astype(jnp.int32))
+        cnt_ref[0] = pos + 1
+        cnt_ref[1] = jnp.int32(0)
 
 
 def kv_append_fwd(keys, values, k, v, words):

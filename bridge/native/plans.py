@@ -107,9 +107,10 @@ def _tuples(tree):
     return tuple(_tuples(t) for t in tree) if isinstance(tree, (list, tuple)) else tree
 
 
-def build(fn, args, dev, key_prefix):
+def build(fn, args, dev, key_prefix, writes=()):
     """The plan of ``fn`` on ``args`` (avals): from its recipe on disk when there is one (no
-    trace), else traced, built, and its recipe stored."""
+    trace), else traced, built, and its recipe stored. ``writes``: argument positions a kernel
+    may update in place (``recipe.trace``)."""
     path = disk.recipe_path(key_prefix)
     try:
         with open(path) as f:
@@ -131,7 +132,7 @@ def build(fn, args, dev, key_prefix):
             return _from_recipe(rec, eqn_of, dev, f"{key_prefix[0]}/{key_prefix[1]}")
         except (KeyError, TypeError, ValueError, IndexError, SyntaxError) as e:  # a damaged recipe: trace
             state.log.debug("pallas native: recipe %s not used (%s)", path, e)
-    rec, eqns = recipe.trace(fn, args, key_prefix)
+    rec, eqns = recipe.trace(fn, args, key_prefix, writes)
     p = _from_recipe(rec, eqns.__getitem__, dev, f"{key_prefix[0]}/{key_prefix[1]}")
     data = disk.recipe_json(rec)
     if data is not None:
@@ -197,7 +198,8 @@ def plan(kdef, which: str, skey, args: tuple, leaves=None):
         t0 = time.perf_counter()
         fn = kdef.py_fn("fwd", skey) if which == "fwd" else kdef.py_fn("bwd", *skey)
         try:
-            p = build(fn, _aval(args), dev, (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind(), _x64()))
+            p = build(fn, _aval(args), dev, (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind(), _x64()),
+                      kdef.writes if which == "fwd" else ())
         except state.Unsupported as e:
             state.decline(kdef.name, which, str(e))
             p = False

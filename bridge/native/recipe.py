@@ -185,9 +185,12 @@ def _fuse_dot_rounding(flat_eqns, outvars):
     return kept, made
 
 
-def trace(fn, args, key_prefix):
+def trace(fn, args, key_prefix, writes=()):
     """Trace ``fn`` on ``args`` (avals) into a recipe: the plan as plain data (the form the disk
-    cache keeps), and the ``pallas_call`` equations in program order (what lowers them)."""
+    cache keeps), and the ``pallas_call`` equations in program order (what lowers them). An
+    output a ``pallas_call`` aliases to one of its inputs is that input's buffer, copied first
+    where the plan's caller keeps the input (every argument but those at the positions
+    ``writes`` names, which the caller hands over to be updated in place) or a later step reads it."""
     import jax
 
     t0 = time.perf_counter()
@@ -223,7 +226,7 @@ def trace(fn, args, key_prefix):
     walk(jaxpr, top, 0)
     outvars = [_Lit(v.val) if JI.is_literal(v) else top.get(v, _Var(v)) for v in jaxpr.outvars]
     invars = [_Var(v) for v in jaxpr.invars]
-    given = set(invars) | set(consts)
+    given = {k for n, k in enumerate(invars) if n not in writes} | set(consts)
 
     flat_eqns, rounded = _fuse_dot_rounding(flat_eqns, outvars)
     flat_eqns, overrides = _elide_reshapes(flat_eqns, outvars)

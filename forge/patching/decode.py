@@ -52,8 +52,8 @@ ATTN_OK = ("sdpa", "eager")
 MODES = ("greedy_search", "sample")
 # the decoding steps write the cache with the attention backend's kv_append (one launch a layer,
 # forge.spec.kv_append) instead of transformers' three: off, as on a GPU Triton's showed no gain
-# in its one run and Pallas' is refused (docs/generate.md, "The cache write in one launch"); read
-# when a model is patched
+# in its one timed run (docs/generate.md, "The cache write in one launch"); read when a model is
+# patched
 KV_APPEND = False
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
 _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
@@ -218,12 +218,8 @@ class Decoder:
         self.attends = attends  # who computes it: a backend's name, or "sdpa"
         # the decoding steps' cache write (forge.spec.kv_append) from the same backend where
         # KV_APPEND is on, else None: two index_copy_ and a counter addition (read when a cache is made)
-        # (Pallas' is not served on a GPU, the only place its decoding steps run: bridge.kv_append)
-        self.append = None if attention is None or not KV_APPEND or attends == "pallas" else _kernel_or_none(
+        self.append = None if attention is None or not KV_APPEND else _kernel_or_none(
             "kv_append", attends, "decoding steps write the cache with index_copy_")
-        if KV_APPEND and attends == "pallas":
-            log.info("forge decode: decoding steps write the cache with index_copy_ (the Pallas kv_append "
-                     "is not served on a GPU)")
         self.slots: dict[int, rt.CachedSteps] = {}  # batch size -> its cache; least recently used first
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
