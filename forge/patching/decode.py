@@ -51,9 +51,9 @@ MAX_CACHES = 4  # static caches kept (one per batch size)
 ATTN_OK = ("sdpa", "eager")
 MODES = ("greedy_search", "sample")
 # the decoding steps write the cache with the attention backend's kv_append (one launch a layer,
-# forge.spec.kv_append) instead of transformers' three: off, as on a GPU Triton's showed no gain
-# in its one timed run (docs/generate.md, "The cache write in one launch"); read when a model is
-# patched
+# forge.spec.kv_append) instead of transformers' three: off, as on a GPU neither backend's write
+# gained beyond the runs' drift (docs/generate.md, "The cache write in one launch"); read when a
+# model is patched
 KV_APPEND = False
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
 _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
