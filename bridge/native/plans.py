@@ -198,8 +198,9 @@ def plan(kdef, which: str, skey, args: tuple, leaves=None):
         t0 = time.perf_counter()
         fn = kdef.py_fn("fwd", skey) if which == "fwd" else kdef.py_fn("bwd", *skey)
         try:
-            p = build(fn, _aval(args), dev, (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind(), _x64()),
-                      kdef.writes if which == "fwd" else ())
+            writes = kdef.writes if which == "fwd" else ()  # (in the key too: bridge/kernels.py is not in its stamp)
+            p = build(fn, _aval(args), dev,
+                      (kdef.name, which, repr(skey), repr(_sig(args)), _gpu_kind(), _x64(), writes), writes)
         except state.Unsupported as e:
             state.decline(kdef.name, which, str(e))
             p = False
