@@ -29,7 +29,7 @@ def _case(b, h, c, d, dtype, device, gen, strided):
     return keys, values, k, v
 
 
-def _run(backend, b, h, c, d, dtype, device, starts, strided=False):
+def _run(backend, b, h, c, d, dtype, device, starts, strided=False, autocast=False):
     f = forge.ops.get("kv_append", backend)
     gen = torch.Generator().manual_seed(b * 100 + h * 10 + c)
     keys, values, _, _ = _case(b, h, c, d, dtype, device, gen, strided)
@@ -38,7 +38,11 @@ def _run(backend, b, h, c, d, dtype, device, starts, strided=False):
     want_n = n.clone()
     for step in range(3):  # consecutive calls: the ticket word is back at 0 after each
         _, _, k, v = _case(b, h, c, d, dtype, device, gen, strided)
-        assert f(keys, values, k, v, n) is None
+        if autocast:  # (the HF Trainer's bf16=True over a float32 model: a copy must stay a copy)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                assert f(keys, values, k, v, n) is None
+        else:
+            assert f(keys, values, k, v, n) is None
         spec.reference(want_k, want_v, k, v, want_n)
         assert int(n) == starts + step + 1 == int(want_n)
         assert spec.counter_words(n).tolist() == [starts + step + 1, 0]
@@ -76,6 +80,17 @@ def test_kv_append_gpu(backend, b, monkeypatch):
         monkeypatch.setattr(bridge.core, "apply", spy)
     _run(backend, b, 8, 384, 128, torch.bfloat16, "cuda", 130, strided=True)
     assert backend != "pallas" or shared == [[True, True, True]] * 3, shared
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA device")])])
+def test_kv_append_float32_cache_under_autocast(backend, device):
+    # a float32 cache written under autocast(bf16): exact, nothing rounded to bf16
+    if device == "cpu" and GPU:
+        pytest.skip("the CPU case runs the interpreters: on a CUDA machine the kernels are compiled")
+    h, c, d = (8, 384, 128) if device == "cuda" else (3, 9, 16)
+    _run(backend, 2, h, c, d, torch.float32, device, 4, strided=True, autocast=True)
 
 
 def test_pallas_plan_writes_the_callers_buffers():
