@@ -21,12 +21,13 @@ install = core.install
 
 def kernels() -> list:
     """Every kernel this backend runs as an op (the fused loss is the op layer's own node; the
-    decoding path's cache write, which updates its inputs in place, runs outside compiled code)."""
+    decoding path's cache write, which updates its inputs in place, and its one-row products
+    run outside compiled code)."""
     import importlib
 
     for mod in ("kernels", "lora", "experts"):
         importlib.import_module(f"{__package__}.{mod}")
-    return [k for k in core.registry().values() if k.name not in ("fused_linear_ce", "kv_append")]
+    return [k for k in core.registry().values() if k.name not in ("fused_linear_ce", "kv_append", "row_linear")]
 
 
 def op_name(kdef) -> str:

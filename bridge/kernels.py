@@ -17,9 +17,11 @@ from forge.spec import geglu as geglu_spec
 from forge.spec import kv_append as kv_append_spec
 from forge.spec import rmsnorm as rmsnorm_spec
 from forge.spec import rope as rope_spec
+from forge.spec import row_linear as row_linear_spec
 from forge.spec import swiglu as swiglu_spec
 from forge_pallas import decode_attention as _decode_attention
 from forge_pallas import glu as _glu
+from forge_pallas import linear as _linear
 from forge_pallas import rmsnorm as _rmsnorm
 from forge_pallas import rope as _rope
 
@@ -36,6 +38,7 @@ ROPE = core.KernelDef("rope", _rope.rope_fwd, _rope.rope_bwd, diff=(0, 1), save=
 DECODE_ATTENTION = core.KernelDef("decode_attention", _decode_attention.decode_attention_fwd, None, diff=())
 # (keys, values and the counter's words updated in place: the launch writes the caller's buffers)
 KV_APPEND = core.KernelDef("kv_append", _decode_attention.kv_append_fwd, None, diff=(), writes=(0, 1, 4))
+ROW_LINEAR = core.KernelDef("row_linear", _linear.row_linear_fwd, None, diff=())
 
 _SEEN = _check.Validated()  # call signatures already validated
 
@@ -210,3 +213,19 @@ def kv_append(keys, values, k, v, n):
     for out, dst in zip(outs, (keys, values, words)):
         if out.data_ptr() != dst.data_ptr():
             dst.view(out.shape).copy_(out)
+
+
+# -- one-row products (forward only: the decoding steps' dense products at batch 1) -------------
+def _check_row_linear(x, w, b):
+    row_linear_spec.check(x, w, b)
+    check_devices(x=x, w=w, **({} if b is None else {"b": b}))
+
+
+def row_linear(x, w, b=None):
+    """Pallas product with the signature of ``forge.spec.row_linear.reference``."""
+    sig = ("row_linear", _tsig(x, w), None if b is None else _tsig(b))
+    checked(sig, _check_row_linear, x, w, b)
+    if not (x.shape[0] and w.shape[0] and x.shape[1]):
+        return row_linear_spec.reference(x, w, b)
+    bias = w.new_zeros(1) if b is None else b
+    return core.apply(ROW_LINEAR, x.contiguous(), w, bias, has_bias=b is not None)

@@ -287,6 +287,31 @@ def test_kv_append_writes_the_decoding_steps_cache(fake_graphs, monkeypatch, on)
         assert not calls
 
 
+@pytest.mark.parametrize("on", [False, True])
+def test_row_linear_takes_the_decoding_steps_one_row_products(fake_graphs, monkeypatch, on):
+    # with decode.ROW_LINEAR on, a batch-1 decoding step's products (q/k/v, o, gate/up, down, the
+    # head) run the attention backend's row_linear while warmed up and captured (the tokens still
+    # follow eager's); off, it is never called. (Triton: graphs=True declines Pallas in the CPU
+    # interpreter; test_row_linear.py covers Pallas' kernel, the gpu case below its decoding steps)
+    import forge_triton
+
+    kernel, calls = forge.ops.get("row_linear", "triton"), []
+    monkeypatch.setattr(forge_triton, "row_linear", lambda *a: calls.append(a[1].shape) or kernel(*a))
+    monkeypatch.setattr(decode, "ROW_LINEAR", on)
+    model = _model("qwen2")
+    ids, mask = _prompt(model, 1, 4, "cpu")
+    _check_generate(model, ids, mask, 4, torch.float32, torch.float64, backend="triton", graphs=True)
+    d = model._forge_graphs.decode
+    assert model._forge_graphs.stats.decode_replayed > 0
+    assert (d.linear is not None) == on
+    if on:  # (each layer's products and the head, in the warm-up steps and the capture)
+        per_step = len(calls) // (decode_runtime.WARMUP + 1)
+        assert per_step >= 3 * model.config.num_hidden_layers + 1 and calls[-1][0] == model.config.vocab_size, calls
+        assert sum(s.row_calls for s in d.slots.values()) == len(calls)
+    else:
+        assert not calls
+
+
 def test_sampling_with_a_seed(fake_graphs):
     model = _model("qwen3")
     ids, mask = _prompt(model, 3, 5, "cpu")
@@ -685,6 +710,26 @@ def test_greedy_generate_kv_append_gpu(backend, monkeypatch):
     st = model._forge_graphs.stats
     assert model._forge_graphs.decode.append is not None and model._forge_graphs.decode.attends == backend
     assert st.decode_captures == 1 and st.decode_replayed > 0, st
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", forge.ops.BACKENDS)
+def test_greedy_generate_row_linear_gpu(backend, monkeypatch):
+    # decode.ROW_LINEAR on: the captured batch-1 steps run their products with the backend's row_linear
+    if backend == "pallas":
+        from bridge import native
+
+        if not native.available()[0]:
+            pytest.skip(f"the Pallas native launch is unavailable here: {native.available()[1]}")
+    monkeypatch.setattr(decode, "ROW_LINEAR", True)
+    model = _model("qwen3", "qwen05b", torch.bfloat16, "cuda")
+    ids, mask = _prompt(model, 1, 32, "cuda")
+    kw = {"min_elements": 0} if backend == "pallas" else {}
+    _check_generate(model, ids, mask, 16, torch.bfloat16, torch.float32, backend=backend, graphs=True, **kw)
+    st, d = model._forge_graphs.stats, model._forge_graphs.decode
+    assert d.linear is not None and d.attends == backend
+    assert st.decode_captures == 1 and st.decode_replayed > 0, st
+    assert sum(s.row_calls for s in d.slots.values()) > 0
 
 
 @pytest.mark.gpu

@@ -80,6 +80,22 @@ def test_greedy_check_rule_against_eager(loop_on, fake_graphs):
     assert why.get("device loop: return_dict_in_generate") == 2, why
 
 
+def test_row_linear_in_the_loops_steps(loop_on, fake_graphs, monkeypatch):
+    # decode.ROW_LINEAR on at batch 1: the loop's chunks run their one-row products (q/k/v, o, the
+    # router, the head) with the attention backend's row_linear, and follow eager under the rule
+    from forge.patching import decode
+
+    monkeypatch.setattr(decode, "ROW_LINEAR", True)
+    model = _model("qwen3_moe")
+    model.set_experts_implementation("eager")  # (transformers' grouped_mm takes no float64 reference)
+    ids, mask = _prompt(model, 1, 5, "cpu")
+    _check_generate(model, ids, mask, decode_loop.CHUNK + 2, torch.float32, torch.float64, backend="triton",
+                    kernels=["rope"], graphs=True)
+    d = model._forge_graphs.decode
+    assert d.loop_calls == 1 and d.linear is not None
+    assert sum(s.row_calls for s in d.slots.values()) > 0
+
+
 @pytest.mark.parametrize("when", ["one row", "every row early"])
 def test_eos_pads_finished_rows_and_stops_as_transformers(when, fake_graphs):
     model, ref = _pair("qwen2")
@@ -247,6 +263,31 @@ def test_device_loop_greedy_gpu(model_type, loop_on):
         d.device_loop = False
         off = model.generate(ids, **kw)
     assert torch.equal(on, off)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", forge.ops.BACKENDS)
+def test_device_loop_row_linear_gpu(backend, loop_on, monkeypatch):
+    # decode.ROW_LINEAR on: the loop's captured batch-1 chunks (qwen3_moe: the router's product
+    # too) run their products with the backend's row_linear
+    from forge.patching import decode
+
+    if backend == "pallas":
+        from bridge import native
+
+        if not native.available()[0]:
+            pytest.skip(f"the Pallas native launch is unavailable here: {native.available()[1]}")
+    monkeypatch.setattr(decode, "ROW_LINEAR", True)
+    model = _model("qwen3_moe", "qwen05b", torch.bfloat16, "cuda")
+    model.set_experts_implementation("eager")  # (transformers' grouped_mm takes no float32 reference)
+    ids, mask = _prompt(model, 1, 32, "cuda")
+    kw = {"min_elements": 0} if backend == "pallas" else {}
+    _check_generate(model, ids, mask, 2 * decode_loop.CHUNK + 3, torch.bfloat16, torch.float32, backend=backend,
+                    graphs=True, **kw)
+    d, st = model._forge_graphs.decode, model._forge_graphs.stats
+    assert d.loop_calls == 1 and d.attends == backend and d.linear is not None
+    assert sum(s.row_calls for s in d.slots.values()) > 0
+    assert not [w for w in st.why if "capture failed" in w], st
 
 
 @pytest.mark.gpu

@@ -6,8 +6,9 @@ A decoding step at batch 1-8 reads every weight once, so its products are bound 
 times each product alone (device time from the profiler, weights rotated over copies larger than
 the L2 cache so every call reads DRAM) and prints the fraction of the 4.2 TB/s copy it reaches,
 for cuBLAS and for the best of a small grid of Triton settings (rows per program, K tile, warps,
-K split across programs with fp32 atomics). The last table sums one token's products over the
-32 layers and the head for each: what a faster product would save per token.
+K split across programs with fp32 atomics), and forge's own one-row product
+(``forge.spec.row_linear``) on each backend that runs here. The last table sums one token's
+products over the layers and the head for each: what a faster product would save per token.
 
     python bench/diagnostics/gemv_bw.py [--rows 1,8] [--quick]
 """
@@ -25,6 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import _common as bc  # noqa: E402
+import forge.ops  # noqa: E402
 import forge_triton  # noqa: E402,F401  (sets the Triton mode first)
 from forge_triton._common import dot_upcast  # noqa: E402
 import triton  # noqa: E402
@@ -134,6 +136,12 @@ def main():
     if a.quick:  # (the interpreter on a CPU: small widths, one L2-sized copy is plenty)
         shapes = [(name, n // 64, k // 64, t) for name, n, k, t in shapes]
     results = []
+    row_kernels = []  # (backend, forge's row_linear) for each backend that runs here
+    for be in forge.ops.BACKENDS:
+        try:
+            row_kernels.append((be, forge.ops.get("row_linear", be)))
+        except forge.ops.BackendUnavailableError as e:
+            print(f"forge {be}: not timed ({e})")
     for m in rows_list:
         for name, n, k, per_token in shapes:
             ws, next_w = _rotating(n, k, dtype)
@@ -151,18 +159,28 @@ def main():
                     best = (us, (bn, bk, warps, split))
             nbytes = n * k * 2
             frac = lambda us: nbytes / us / 1e3 / bc.COPY_CEILING_GBS  # noqa: E731
-            results.append({"rows": m, "product": name, "N": n, "K": k, "per_token": per_token,
-                            "cublas_us": cublas, "cublas_frac": frac(cublas), "triton_us": best[0],
-                            "triton_frac": frac(best[0]), "triton_setting": best[1]})
+            row = {"rows": m, "product": name, "N": n, "K": k, "per_token": per_token,
+                   "cublas_us": cublas, "cublas_frac": frac(cublas), "triton_us": best[0],
+                   "triton_frac": frac(best[0]), "triton_setting": best[1]}
+            for be, f in row_kernels:  # forge's row_linear: the rule of tests/test_row_linear.py, then timed
+                err = (f(x, ws[0]).float() - ref).abs().max().item() / ref.abs().max().item()
+                if err > 2e-2:
+                    raise AssertionError(f"forge {be} row_linear {name} m={m}: relative error {err:.3g}")
+                row[f"forge_{be}_us"] = us = bc.device_time_us(lambda: f(x, next_w()), 40)
+                row[f"forge_{be}_frac"] = frac(us)
+            results.append(row)
             print("m=%d %-11s %6d x %5d  cuBLAS %7.1f us (%.2f)  triton %7.1f us (%.2f) at BN %d, BK %d, %d warps, split %d"
-                  % (m, name, n, k, cublas, frac(cublas), best[0], frac(best[0]), *best[1]), flush=True)
+                  % (m, name, n, k, cublas, frac(cublas), best[0], frac(best[0]), *best[1])
+                  + "".join(f"  forge {be} {row[f'forge_{be}_us']:.1f} us" for be, _ in row_kernels), flush=True)
             del ws
     for m in rows_list:
         rs = [r for r in results if r["rows"] == m and r["per_token"]]
         cub = sum(r["cublas_us"] * r["per_token"] for r in rs) / 1e3
         tri = sum(min(r["triton_us"], r["cublas_us"]) * r["per_token"] for r in rs) / 1e3
+        forge_ms = {be: sum(r[f"forge_{be}_us"] * r["per_token"] for r in rs) / 1e3 for be, _ in row_kernels}
         print(f"rows {m}: one token's products (stacked q/k/v and gate/up, every layer + head): "
-              f"cuBLAS {cub:.3f} ms, best of the two per product {tri:.3f} ms")
+              f"cuBLAS {cub:.3f} ms, best of the two per product {tri:.3f} ms"
+              + "".join(f", forge {be} {ms:.3f} ms" for be, ms in forge_ms.items()))
     bc.write_results(Path(os.environ.get("FORGE_BENCH_OUT", "forge-bench-results")), "gemv_bw", results,
                      case=f"{a.shape}-rows{a.rows.replace(',', '-')}")
 

@@ -55,6 +55,10 @@ MODES = ("greedy_search", "sample")
 # gained beyond the runs' drift (docs/generate.md, "The cache write in one launch"); read when a
 # model is patched
 KV_APPEND = False
+# a decoding step's products of one row (batch 1: q/k/v, o, routers, the LM head) run the
+# attention backend's row_linear (forge.spec.row_linear) instead of cuBLAS, in the steps captured
+# (decode_runtime.step_kernels); read when a model is patched
+ROW_LINEAR = False
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
 _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                           "return_dict", "output_attentions", "output_hidden_states"})
@@ -220,6 +224,9 @@ class Decoder:
         # KV_APPEND is on, else None: two index_copy_ and a counter addition (read when a cache is made)
         self.append = None if attention is None or not KV_APPEND else _kernel_or_none(
             "kv_append", attends, "decoding steps write the cache with index_copy_")
+        # the one-row product kernel of the same backend where ROW_LINEAR is on, else None: cuBLAS
+        self.linear = None if attention is None or not ROW_LINEAR else _kernel_or_none(
+            "row_linear", attends, "decoding steps' one-row products run cuBLAS")
         self.slots: dict[int, rt.CachedSteps] = {}  # batch size -> its cache; least recently used first
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
@@ -333,7 +340,7 @@ class Decoder:
             while len(self.slots) >= MAX_CACHES:
                 self.slots.pop(next(iter(self.slots)))
             slot = rt.CachedSteps(StaticCache(config=self.root.config, max_cache_len=cap), batch, cap,
-                                  self.attention, self.root.get_output_embeddings(), self.append)
+                                  self.attention, self.root.get_output_embeddings(), self.append, self.linear)
             self.graphs.stats.decode_caches += 1
         self.slots[batch] = slot  # most recently used last
         return slot

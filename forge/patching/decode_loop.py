@@ -208,7 +208,7 @@ class Loop:
         self.ran += n
         CAPTURE.on = True  # the kernels the capture records (fused at every size)
         try:
-            with rt.packed_gqa(self.slot.attention):
+            with rt.step_kernels(self.slot):
                 backend.warm(lambda: self.steps(n), owner, self.ids.device)
         finally:
             CAPTURE.on = False
@@ -223,7 +223,7 @@ class Loop:
         gc.disable()
         CAPTURE.on = True
         try:
-            with rt.packed_gqa(self.slot.attention):
+            with rt.step_kernels(self.slot):
                 graph, _ = backend.capture(lambda: self.steps(n), owner, self.ids.device)
         except Exception as e:  # noqa: BLE001 - never break generate(): these steps run uncaptured
             self.failed[key] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"

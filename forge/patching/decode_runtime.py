@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..spec import row_linear
 from .graphs import capture_stream, watch_workspaces, workspace_epoch
 from .guard import CAPTURE
 
@@ -110,6 +111,59 @@ def packed_gqa(attention=None):
             local["sdpa"] = before
         else:
             local.pop("sdpa", None)
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class _RowProducts(torch.overrides.TorchFunctionMode):
+    """While a decoding step runs uncaptured or is captured: ``F.linear`` of one row (batch 1:
+    q/k/v stored together, o, a router, the LM head; nn.Linear's forward and forge's own calls
+    alike) runs ``kernel`` (a backend's ``forge.spec.row_linear``); every other call, and every
+    other torch function, runs as it would. A replay runs what the capture recorded, so the mode
+    costs host time only in the steps that warm up or capture. Taken: input and weight of one
+    float dtype (16 or 32 bits) on one device, plain tensors (no subclass, no FSDP2 shard), a contiguous weight, a
+    bias of that dtype or none, no gradient wanted and no autocast (which would cast first)."""
+
+    def __init__(self, kernel):
+        super().__init__()
+        self.kernel = kernel
+        self.taken = 0  # calls the kernel ran (tests)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear and not kwargs and len(args) in (2, 3):
+            out = self._one_row(*args)
+            if out is not None:
+                return out
+        return func(*args, **(kwargs or {}))
+
+    def _one_row(self, x, w, b=None):
+        if (type(x) is not torch.Tensor or type(w) not in _PLAIN or (b is not None and type(b) not in _PLAIN)
+                or x.dtype not in row_linear.DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.numel() != w.shape[1]
+                or x.device != w.device or not w.is_contiguous() or x.stride(-1) != 1
+                or (b is not None and (b.dtype != x.dtype or b.dim() != 1 or b.device != x.device))):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+            return None
+        if torch.is_autocast_enabled(x.device.type):
+            return None
+        self.taken += 1
+        return self.kernel(x.reshape(1, -1), w, b).view(*x.shape[:-1], w.shape[0])
+
+
+@contextlib.contextmanager
+def step_kernels(slot):
+    """What a decoding step of ``slot`` (a :class:`CachedSteps`) runs under while it warms up or
+    is captured: :func:`packed_gqa` with its attention kernel, and its one-row product kernel
+    (``slot.linear``, or None: cuBLAS) for ``F.linear`` of one row (:class:`_RowProducts`)."""
+    with packed_gqa(slot.attention):
+        if slot.linear is None:
+            yield
+            return
+        mode = _RowProducts(slot.linear)
+        with mode:
+            yield
+        slot.row_calls += mode.taken
 
 
 class CudaGraphs:
@@ -305,7 +359,7 @@ def one_token_update(self, key_states, value_states, *args, append=None, **kwarg
 class CachedSteps:
     """The captured decoding steps on one static cache (one batch size, one capacity)."""
 
-    def __init__(self, cache, batch: int, capacity: int, attention=None, head=None, append=None):
+    def __init__(self, cache, batch: int, capacity: int, attention=None, head=None, append=None, linear=None):
         from transformers.cache_utils import StaticLayer
 
         update = one_token_update if append is None else functools.partial(one_token_update, append=append)
@@ -315,6 +369,8 @@ class CachedSteps:
         self.cache, self.batch, self.capacity = cache, batch, capacity
         self.attention = attention  # the decoding attention kernel (forge.spec.decode_attention), or None: SDPA
         self.head = head  # the model's LM head (logits_outside_pool), or None
+        self.linear = linear  # the one-row product kernel (forge.spec.row_linear; step_kernels), or None: cuBLAS
+        self.row_calls = 0  # F.linear calls it took, in the steps warmed up or captured
         self.filled = False  # the prompt is in the cache (decode.Decoder._prefill)
         self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
         # masks can be built in the graph only where every layer attends to the whole cache
@@ -430,7 +486,7 @@ class CachedSteps:
                 self.seen[sig] = n + 1
                 CAPTURE.on = True  # the kernels the capture will record (fused at every size)
                 try:
-                    with packed_gqa(self.attention):
+                    with step_kernels(self):
                         out = backend.warm(lambda: forward(**kw), owner, kw["input_ids"].device)
                     return out, "warm-up before capture"
                 finally:
@@ -479,7 +535,7 @@ class CachedSteps:
         gc.disable()
         CAPTURE.on = True
         try:
-            with packed_gqa(self.attention), logits_outside_pool(self.head, self.batch):
+            with step_kernels(self), logits_outside_pool(self.head, self.batch):
                 s.graph, s.logits = backend.capture(fn, owner, dev)
         except Exception as e:  # noqa: BLE001 - never break generate(): this signature runs uncaptured
             self.failed[sig] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"

@@ -1,0 +1,54 @@
+"""A product of a few rows by a weight, read once: ``y = x W^T (+ b)``, for the decoding steps.
+
+At batch 1 a decoding step's dense products (q/k/v stored together, o, a router, the LM head)
+each multiply one row by a weight matrix: the time is the weight's bytes read from memory.
+cuBLAS picks a tensor-core kernel tiled for many rows there and reaches 0.4-0.8 of the copy
+bandwidth on the narrow ones; a matrix-vector kernel (each program a few output features, the
+whole of K walked in wide tiles, fp32 sums) gets closer (docs/generate.md, "One-row products").
+Equivalent torch::
+
+    y = (x.float() @ w.float().T + (0 if b is None else b.float())).to(x.dtype)
+
+Arguments: ``x`` (M, K) with unit stride along K (rows at any stride); ``w`` (N, K), contiguous,
+of x's dtype; ``b`` None or (N,) of that dtype. float16, bfloat16 or float32. Returns a new (M, N)
+tensor of x's dtype. Sums are fp32 (the order is the kernel's own: the last bits may differ from
+cuBLAS's). Each row reads the whole weight, so the kernels are for M of 1 to a few; forward only
+(the decoding path runs without gradients).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _check
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check(x, w, b=None) -> None:
+    _check.tensor("x", x)
+    _check.tensor("w", w)
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"x must be (M, K) and w (N, K), got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    _check.same_dtype("x", x, "w", w)
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but w takes {w.shape[1]} (w is (N, K) = {tuple(w.shape)})")
+    if b is not None:
+        _check.tensor("b", b)
+        if tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"b must be (N,) = ({w.shape[0]},) for w {tuple(w.shape)}, got {tuple(b.shape)}")
+        _check.same_dtype("x", x, "b", b)
+    _check.same_device(x=x, w=w, b=b)
+    if not w.is_contiguous():
+        raise ValueError("w must be contiguous (N, K), as an nn.Linear holds its weight")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x must have unit stride along K, got strides {x.stride()}")
+
+
+def reference(x, w, b=None):
+    check(x, w, b)
+    y = x.float() @ w.float().T
+    if b is not None:
+        y = y + b.float()
+    return y.to(x.dtype)

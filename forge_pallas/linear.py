@@ -1,0 +1,54 @@
+"""A few rows by a weight as a Pallas kernel (spec: forge/spec/row_linear.py; the Triton twin is
+forge_triton/linear.py, whose docstring says why the program takes this shape).
+
+Grid (N / block_n, M): a program takes block_n output features of one row, walks K in
+block_k-wide tiles into an fp32 (block_n, block_k) block, and sums it along K at the end.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import _common as C
+
+BLOCK_N = 8
+MAX_BLOCK_K = 512
+WIDE = 1 << 16  # (as the Triton twin: 4 warps from this many output features, else 8)
+
+
+def _row_linear_kernel(x_ref, w_ref, b_ref, y_ref, *, n, k, has_bias, block_n, block_k):
+    pn, m = pl.program_id(0), pl.program_id(1)
+    feats = pn * block_n + jnp.arange(block_n)
+    nmask = feats < n
+    rows = C.ds(pn * block_n, block_n)
+
+    def tile(t, acc):
+        k0 = t * block_k
+        km = (k0 + jnp.arange(block_k)) < k
+        cols = C.ds(k0, block_k)
+        w = C.load(w_ref.at[rows, cols], mask=nmask[:, None] & km[None, :], other=0.0)
+        x = C.load(x_ref.at[m, cols], mask=km, other=0.0)
+        return acc + w.astype(jnp.float32) * x.astype(jnp.float32)[None, :]
+
+    acc = jax.lax.fori_loop(C.i32(0), C.i32(C.cdiv(k, block_k)), tile, jnp.zeros((block_n, block_k), jnp.float32))
+    y = jnp.sum(acc, axis=1)
+    if has_bias:
+        y = y + C.load(b_ref.at[rows], mask=nmask, other=0.0).astype(jnp.float32)
+    C.store(y_ref.at[m, rows], y.astype(y_ref.dtype), mask=nmask)
+
+
+_launch = C.triton_call
+
+
+def row_linear_fwd(x, w, b, *, has_bias):
+    """x (M, K), w (N, K), b (N,) (a placeholder without bias) -> ((y (M, N),), ()); K >= 1."""
+    m, k = x.shape
+    n = w.shape[0]
+    block_k = min(MAX_BLOCK_K, max(16, C.next_power_of_2(k)))
+    kern = functools.partial(_row_linear_kernel, n=n, k=k, has_bias=has_bias, block_n=BLOCK_N, block_k=block_k)
+    y = _launch(kern, name="row_linear", grid=(C.cdiv(n, BLOCK_N), m), num_warps=4 if n >= WIDE else 8,
+                out_shape=jax.ShapeDtypeStruct((m, n), x.dtype))(x, w, b)
+    return (y,), ()

@@ -1,0 +1,71 @@
+"""A few rows by a weight in Triton (spec: forge/spec/row_linear.py): the decoding steps' dense
+products at batch 1.
+
+Grid (N / BLOCK_N, M): a program takes BLOCK_N output features of one row and walks the whole of
+K in BLOCK_K-wide tiles, multiplying each weight tile by the row's slice element by element into
+an fp32 (BLOCK_N, BLOCK_K) block that it sums along K once at the end. No tensor cores: with one
+row there is nothing for them to share, and the loads of eight 1 KiB weight rows a tile keep the
+memory system busy. The setting (8 features, 512-wide tiles, 8 warps; 4 warps for the wide LM
+heads) is the best of bench/diagnostics/gemv_bw.py's grid at Llama-3-8B's and Qwen3-30B-A3B's
+decode shapes on the H100 and H200.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from forge.spec import row_linear as spec
+
+from . import _common, _launch
+
+BLOCK_N = 8  # output features per program
+MAX_BLOCK_K = 512
+WIDE = 1 << 16  # from this many output features (an LM head), 4 warps a program instead of 8
+
+
+@triton.jit
+def _row_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sxm, sym, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pn = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
+        x = tl.load(x_ptr + m * sxm + rk, mask=km, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * sym + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+_kernel = _launch.FastKernel(_row_linear_kernel)
+
+
+def settings(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_K, warps) for an (N, K) weight."""
+    return min(MAX_BLOCK_K, max(16, _common.next_pow2(k))), 4 if n >= WIDE else 8
+
+
+def row_linear(x, w, b=None):
+    """Triton product with the signature of ``forge.spec.row_linear.reference``."""
+    spec.check(x, w, b)
+    _common.check_device(x=x, w=w, b=b)
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if not (m and n):
+        return y
+    if not k:
+        return y.zero_() if b is None else y.copy_(b.expand(m, n))
+    block_k, warps = settings(n, k)
+    _kernel[(_common.cdiv(n, BLOCK_N), m)](x, w, w if b is None else b, y, n, k, x.stride(0), y.stride(0),
+                                          HAS_BIAS=b is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                                          num_warps=warps)
+    return y

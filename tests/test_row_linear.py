@@ -1,0 +1,149 @@
+"""The decoding steps' one-row products (forge.spec.row_linear) against a float64 reference, under
+the suite's rule (no worse than twice eager's error in the same dtype, plus rounding), on both
+backends; bad arguments get the spec's errors; the step's function mode hands the kernel exactly
+the one-row calls it takes (decode_runtime._RowProducts).
+
+CPU cases run the interpreters on small widths (a K tail, several K tiles, N not a multiple of
+a program's features, a bias, rows at a stride); the gpu-marked ones the batch-1 decoding shapes
+of Llama-3-8B and Qwen3-30B-A3B (q/k/v stored together, o, the router, the LM head) compiled.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import forge.ops
+from forge.patching import decode_runtime
+from forge.spec import row_linear as spec
+from forge.spec import tolerance
+
+BACKENDS = list(forge.ops.BACKENDS)
+GPU = torch.cuda.is_available()
+
+
+def _check(backend, m, n, k, dtype, device, bias, row_stride=None, seed=0):
+    f = forge.ops.get("row_linear", backend)
+    gen = torch.Generator().manual_seed(seed)
+    width = row_stride or k
+    x = torch.randn(m, width, generator=gen)[:, :k].to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    y = f(x, w, b)
+    assert y.shape == (m, n) and y.dtype == dtype and y.device == x.device
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    eager = F.linear(x, w, b)
+    tolerance.assert_close(f"row_linear {m}x{k} by {n}x{k}", y, ref, eager, dtype, k)
+    return y
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,n,k,dtype,bias,row_stride", [
+    (1, 20, 37, torch.float32, False, None),     # K below one tile, N not a multiple of 8
+    (1, 64, 1100, torch.bfloat16, True, None),   # three K tiles and a tail; a bias
+    (3, 9, 600, torch.float16, True, 640),       # several rows at a stride wider than K
+])
+def test_row_linear_cpu(backend, m, n, k, dtype, bias, row_stride):
+    if GPU:
+        pytest.skip("the CPU case runs the interpreters: on a CUDA machine the kernels are compiled")
+    _check(backend, m, n, k, dtype, "cpu", bias, row_stride)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_linear_empty(backend, device):
+    f = forge.ops.get("row_linear", backend)
+    w = torch.randn(5, 8, device=device)
+    assert f(torch.zeros(0, 8, device=device), w).shape == (0, 5)
+    b = torch.randn(5, device=device)
+    y = f(torch.zeros(2, 0, device=device), torch.zeros(5, 0, device=device), b)  # (no features: the bias)
+    assert torch.equal(y, b.expand(2, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,k,bias", [
+    (6144, 4096, False),     # Llama-3-8B q/k/v stored together
+    (4096, 4096, False),     # its o
+    (128256, 4096, False),   # its head
+    (5120, 2048, True),      # Qwen3-30B-A3B q/k/v (a bias, as Qwen2's q/k/v have)
+    (128, 2048, False),      # its router
+    (151936, 2048, False),   # its head
+])
+def test_row_linear_gpu(backend, n, k, bias):
+    _check(backend, 1, n, k, torch.bfloat16, "cuda", bias, seed=n)
+    _check(backend, 2, n, k, torch.bfloat16, "cuda", bias, seed=n + 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_linear_errors(backend):
+    f = forge.ops.get("row_linear", backend)
+    x, w = torch.zeros(1, 16), torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="x has 12 features but w takes 16"):
+        f(torch.zeros(1, 12), w)
+    with pytest.raises(TypeError, match="x is torch.float32 but w is torch.bfloat16"):
+        f(x, w.bfloat16())
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        f(x.double(), w.double())
+    with pytest.raises(ValueError, match="contiguous"):
+        f(x, torch.zeros(16, 8).T)
+    with pytest.raises(ValueError, match=r"b must be \(N,\)"):
+        f(x, w, torch.zeros(16))
+    with pytest.raises(ValueError, match="unit stride along K"):
+        f(torch.zeros(1, 32)[:, ::2], w)
+    with pytest.raises(ValueError, match=r"x must be \(M, K\)"):
+        f(torch.zeros(1, 1, 16), w)
+
+
+class _Spy:
+    def __init__(self):
+        self.shapes = []
+
+    def __call__(self, x, w, b=None):
+        self.shapes.append((tuple(x.shape), tuple(w.shape), b is not None))
+        return spec.reference(x, w, b)
+
+
+def test_step_mode_takes_one_row_products_only():
+    # under the decoding step's mode: F.linear of one row (an nn.Linear's or a direct call, any
+    # leading dims) runs the kernel; several rows, a gradient wanted, autocast, float64 or a
+    # non-contiguous weight run torch's own; other functions are untouched
+    spy = _Spy()
+    lin = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    x = torch.randn(1, 1, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16)
+        with decode_runtime._RowProducts(spy) as mode:
+            y = lin(x)
+            y2 = F.linear(x[0, 0], lin.weight)
+            F.linear(torch.randn(2, 16, dtype=torch.bfloat16), lin.weight)  # two rows
+            F.linear(x.double(), lin.weight.double())  # float64
+            F.linear(x, torch.randn(16, 8, dtype=torch.bfloat16).T)  # a transposed weight
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                F.linear(x.float(), lin.weight.float())
+            z = torch.mm(torch.randn(1, 16), torch.randn(16, 3))
+    assert y.shape == (1, 1, 8) and torch.equal(y, want)
+    assert y2.shape == (8,)
+    assert z.shape == (1, 3)
+    assert spy.shapes == [((1, 16), (8, 16), True), ((1, 16), (8, 16), False)], spy.shapes
+    assert mode.taken == 2
+    with decode_runtime._RowProducts(spy) as mode:  # grad mode with a parameter that wants one
+        out = torch.nn.Linear(16, 8)(torch.randn(1, 16))
+    assert mode.taken == 0 and out.requires_grad
+
+
+def test_step_kernels_counts_the_calls_taken():
+    # step_kernels with a slot's kernel counts what it took; without one nothing changes
+    spy = _Spy()
+
+    class Slot:
+        attention, linear, row_calls = None, spy, 0
+
+    lin = torch.nn.Linear(16, 8, bias=False)
+    with torch.no_grad():
+        with decode_runtime.step_kernels(Slot):
+            lin(torch.randn(1, 16))
+        Slot.linear = None
+        with decode_runtime.step_kernels(Slot):
+            lin(torch.randn(1, 16))
+    assert Slot.row_calls == 1 and len(spy.shapes) == 1
