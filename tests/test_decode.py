@@ -265,51 +265,47 @@ def test_forge_kernels_run_inside_the_captured_step(fake_graphs, monkeypatch):
         assert gs.fused(key) > 0, gs  # the capture fuses every size (the guard would fall back here)
 
 
+def _decode_with_switch(monkeypatch, key, switch, on, batch, shape_arg):
+    """Greedy decoding of a small qwen2 through the captured steps (Triton) with ``decode.<switch>``
+    on or off, every call of the backend's ``key`` kernel recorded (the shape of its argument
+    ``shape_arg``); returns (model, calls). The tokens follow eager's under the test's rule.
+    (Triton only: graphs=True declines Pallas in the CPU interpreter; the kernels' own tests cover
+    Pallas on the CPU, the gpu cases its decoding steps.)"""
+    import forge_triton
+
+    kernel, calls = forge.ops.get(key, "triton"), []
+    monkeypatch.setattr(forge_triton, key, lambda *a: calls.append(a[shape_arg].shape) or kernel(*a))
+    monkeypatch.setattr(decode, switch, on)
+    model = _model("qwen2")
+    ids, mask = _prompt(model, batch, 4, "cpu")
+    _check_generate(model, ids, mask, 4, torch.float32, torch.float64, backend="triton", graphs=True)
+    assert model._forge_graphs.stats.decode_replayed > 0
+    if not on:
+        assert not calls
+    return model, calls
+
+
 @pytest.mark.parametrize("on", [False, True])
 def test_kv_append_writes_the_decoding_steps_cache(fake_graphs, monkeypatch, on):
     # with decode.KV_APPEND on, the decoding steps write keys, values and the length with the
-    # attention backend's kv_append (and the tokens still follow eager's); off, it is never called.
-    # (Triton only: graphs=True declines Pallas in the CPU interpreter; test_one_token_update_*
-    # and test_kv_append.py cover Pallas' write on the CPU, the gpu case below its decoding steps)
-    import forge_triton
-
-    kernel, calls = forge.ops.get("kv_append", "triton"), []
-    monkeypatch.setattr(forge_triton, "kv_append", lambda *a: calls.append(a[2].shape) or kernel(*a))
-    monkeypatch.setattr(decode, "KV_APPEND", on)
-    model = _model("qwen2")
-    ids, mask = _prompt(model, 2, 4, "cpu")
-    _check_generate(model, ids, mask, 4, torch.float32, torch.float64, backend="triton", graphs=True)
-    assert model._forge_graphs.stats.decode_replayed > 0
+    # attention backend's kv_append; off, it is never called
+    model, calls = _decode_with_switch(monkeypatch, "kv_append", "KV_APPEND", on, 2, 2)
     assert (model._forge_graphs.decode.append is not None) == on
     if on:  # (at least the warm-up steps and the capture, a layer each; the stand-in's replays rerun it)
         assert len(calls) >= model.config.num_hidden_layers * (decode_runtime.WARMUP + 1), calls
-    else:
-        assert not calls
 
 
 @pytest.mark.parametrize("on", [False, True])
 def test_row_linear_takes_the_decoding_steps_one_row_products(fake_graphs, monkeypatch, on):
     # with decode.ROW_LINEAR on, a batch-1 decoding step's products (q/k/v, o, gate/up, down, the
-    # head) run the attention backend's row_linear while warmed up and captured (the tokens still
-    # follow eager's); off, it is never called. (Triton: graphs=True declines Pallas in the CPU
-    # interpreter; test_row_linear.py covers Pallas' kernel, the gpu case below its decoding steps)
-    import forge_triton
-
-    kernel, calls = forge.ops.get("row_linear", "triton"), []
-    monkeypatch.setattr(forge_triton, "row_linear", lambda *a: calls.append(a[1].shape) or kernel(*a))
-    monkeypatch.setattr(decode, "ROW_LINEAR", on)
-    model = _model("qwen2")
-    ids, mask = _prompt(model, 1, 4, "cpu")
-    _check_generate(model, ids, mask, 4, torch.float32, torch.float64, backend="triton", graphs=True)
+    # head) run the attention backend's row_linear while warmed up and captured; off, it is never called
+    model, calls = _decode_with_switch(monkeypatch, "row_linear", "ROW_LINEAR", on, 1, 1)
     d = model._forge_graphs.decode
-    assert model._forge_graphs.stats.decode_replayed > 0
     assert (d.linear is not None) == on
     if on:  # (each layer's products and the head, in the warm-up steps and the capture)
         per_step = len(calls) // (decode_runtime.WARMUP + 1)
         assert per_step >= 3 * model.config.num_hidden_layers + 1 and calls[-1][0] == model.config.vocab_size, calls
         assert sum(s.row_calls for s in d.slots.values()) == len(calls)
-    else:
-        assert not calls
 
 
 def test_sampling_with_a_seed(fake_graphs):
