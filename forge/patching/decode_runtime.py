@@ -122,8 +122,9 @@ class _RowProducts(torch.overrides.TorchFunctionMode):
     alike) runs ``kernel`` (a backend's ``forge.spec.row_linear``); every other call, and every
     other torch function, runs as it would. A replay runs what the capture recorded, so the mode
     costs host time only in the steps that warm up or capture. Taken: input and weight of one
-    float dtype (16 or 32 bits) on one device, plain tensors (no subclass, no FSDP2 shard), a contiguous weight, a
-    bias of that dtype or none, no gradient wanted and no autocast (which would cast first)."""
+    float dtype (16 or 32 bits) on one device, plain tensors (no subclass, no FSDP2 shard), a
+    contiguous weight, a bias of that dtype or none, no gradient wanted and no autocast (which
+    would cast first)."""
 
     def __init__(self, kernel):
         super().__init__()
