@@ -691,41 +691,25 @@ def test_greedy_generate_pallas_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", forge.ops.BACKENDS)
-def test_greedy_generate_kv_append_gpu(backend, monkeypatch):
-    # decode.KV_APPEND on: the captured steps write the cache with the backend's kv_append
+@pytest.mark.parametrize("switch,batch", [("KV_APPEND", 2), ("ROW_LINEAR", 1)])
+def test_greedy_generate_switch_gpu(backend, switch, batch, monkeypatch):
+    # decode.KV_APPEND on: the captured steps write the cache with the backend's kv_append;
+    # decode.ROW_LINEAR on: the captured batch-1 steps run their products with its row_linear
     if backend == "pallas":
         from bridge import native
 
         if not native.available()[0]:
             pytest.skip(f"the Pallas native launch is unavailable here: {native.available()[1]}")
-    monkeypatch.setattr(decode, "KV_APPEND", True)
+    monkeypatch.setattr(decode, switch, True)
     model = _model("qwen3", "qwen05b", torch.bfloat16, "cuda")
-    ids, mask = _prompt(model, 2, 32, "cuda")
-    kw = {"min_elements": 0} if backend == "pallas" else {}
-    _check_generate(model, ids, mask, 16, torch.bfloat16, torch.float32, backend=backend, graphs=True, **kw)
-    st = model._forge_graphs.stats
-    assert model._forge_graphs.decode.append is not None and model._forge_graphs.decode.attends == backend
-    assert st.decode_captures == 1 and st.decode_replayed > 0, st
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", forge.ops.BACKENDS)
-def test_greedy_generate_row_linear_gpu(backend, monkeypatch):
-    # decode.ROW_LINEAR on: the captured batch-1 steps run their products with the backend's row_linear
-    if backend == "pallas":
-        from bridge import native
-
-        if not native.available()[0]:
-            pytest.skip(f"the Pallas native launch is unavailable here: {native.available()[1]}")
-    monkeypatch.setattr(decode, "ROW_LINEAR", True)
-    model = _model("qwen3", "qwen05b", torch.bfloat16, "cuda")
-    ids, mask = _prompt(model, 1, 32, "cuda")
+    ids, mask = _prompt(model, batch, 32, "cuda")
     kw = {"min_elements": 0} if backend == "pallas" else {}
     _check_generate(model, ids, mask, 16, torch.bfloat16, torch.float32, backend=backend, graphs=True, **kw)
     st, d = model._forge_graphs.stats, model._forge_graphs.decode
-    assert d.linear is not None and d.attends == backend
+    assert d.attends == backend and (d.append if switch == "KV_APPEND" else d.linear) is not None
     assert st.decode_captures == 1 and st.decode_replayed > 0, st
-    assert sum(s.row_calls for s in d.slots.values()) > 0
+    if switch == "ROW_LINEAR":
+        assert sum(s.row_calls for s in d.slots.values()) > 0
 
 
 @pytest.mark.gpu
