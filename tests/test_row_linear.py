@@ -22,14 +22,18 @@ BACKENDS = list(forge.ops.BACKENDS)
 GPU = torch.cuda.is_available()
 
 
-def _check(backend, m, n, k, dtype, device, bias, row_stride=None, seed=0):
+def _check(backend, m, n, k, dtype, device, bias, row_stride=None, seed=0, autocast=False):
     f = forge.ops.get("row_linear", backend)
     gen = torch.Generator().manual_seed(seed)
     width = row_stride or k
     x = torch.randn(m, width, generator=gen)[:, :k].to(device, dtype)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
     b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
-    y = f(x, w, b)
+    if autocast:  # (the HF Trainer's bf16=True over float32 parameters: the kernel keeps their dtype)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            y = f(x, w, b)
+    else:
+        y = f(x, w, b)
     assert y.shape == (m, n) and y.dtype == dtype and y.device == x.device
     ref = x.double() @ w.double().T + (0 if b is None else b.double())
     eager = F.linear(x, w, b)
@@ -73,6 +77,18 @@ def test_row_linear_empty(backend, device):
 def test_row_linear_gpu(backend, n, k, bias):
     _check(backend, 1, n, k, torch.bfloat16, "cuda", bias, seed=n)
     _check(backend, 2, n, k, torch.bfloat16, "cuda", bias, seed=n + 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA device")])])
+def test_row_linear_float32_under_autocast(backend, device):
+    # float32 operands under autocast(bf16): a float32 product under the float32 rule, nothing
+    # rounded to bf16 (the decoding steps' mode leaves such calls to torch: test below)
+    if device == "cpu" and GPU:
+        pytest.skip("the CPU case runs the interpreters: on a CUDA machine the kernels are compiled")
+    n, k = (5120, 2048) if device == "cuda" else (24, 600)
+    _check(backend, 1, n, k, torch.float32, device, True, autocast=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

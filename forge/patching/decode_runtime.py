@@ -246,7 +246,7 @@ def logits_outside_pool(head, batch):
     temporaries take there anyway. The product is the one ``F.linear`` runs for such an input
     (one matrix product, no bias)."""
     w = getattr(head, "weight", None)
-    if (type(head) is not nn.Linear or head.bias is not None or type(w) not in (torch.Tensor, nn.Parameter)
+    if (type(head) is not nn.Linear or head.bias is not None or type(w) not in _PLAIN
             or "forward" in head.__dict__ or head._forward_hooks or head._forward_pre_hooks
             or batch * w.shape[0] * w.element_size() < LARGE):
         yield None
