@@ -361,6 +361,26 @@ def test_new_row_counts_share_the_compiled_kernels(launcher, tmp_path, monkeypat
     assert st["compiles"] == (2 if HAS_CUDA else 0), st
 
 
+def test_a_full_plan_table_drops_the_least_recently_used(launcher, tmp_path, monkeypatch):
+    """With the table full, a new plan drops the one used longest ago, not the first built: a
+    plan still in use (a decoding step's, needed again when the step is captured, where building
+    it anew could break the capture) stays."""
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    dev = "cuda" if HAS_CUDA else "cpu"
+    if HAS_CUDA:
+        launcher(None)
+    else:
+        launcher("jax", lower=True)
+    state.clear()
+    monkeypatch.setattr(state, "PLANS_MAX", 2)
+    f = ops.get("rmsnorm", "pallas")
+    w = torch.randn(64, device=dev)
+    for m in (1, 2, 1, 3):  # rows 1 built first but used again after rows 2
+        f(torch.randn(m, 64, device=dev), w, 1e-6)
+    rows = sorted(key[-1][0][0][0] for key in state.PLANS if key[:2] == ("rmsnorm", "fwd"))
+    assert rows == [1, 3], list(state.PLANS)
+
+
 def test_rope_shapes_in_one_bucket_share_the_compiled_kernels(launcher, tmp_path, monkeypatch):
     """Rope at three (batch, sequence) shapes of one bucket (rope._block_s, for this machine's
     SM count: 132 on an H200), with cos per batch entry and shared: a plan per shape, one

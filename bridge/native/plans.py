@@ -191,8 +191,14 @@ def plan(kdef, which: str, skey, args: tuple, leaves=None):
         key = (kdef.name, which, skey, dev, nones, tuple([(t.shape, t.dtype) for t in leaves]))
     hit = state.PLANS.get(key)
     if hit is not None:
+        try:  # least recently used goes first: a plan in use is never the one dropped
+            state.PLANS.move_to_end(key)
+        except KeyError:  # another thread dropped it meanwhile
+            pass
         return hit or None
     with state.LOCK:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            state.log.debug("pallas %s (%s): a plan built inside a CUDA graph capture", kdef.name, which)
         if dev.type != "cuda" and state.launcher() == "triton":
             return None
         t0 = time.perf_counter()
