@@ -677,3 +677,31 @@ def test_a_cublas_workspace_clear_makes_captured_sets_stale(monkeypatch):
     torch._C._cuda_clearCublasWorkspaces()
     assert graphs_mod.workspace_epoch() == n + 1
     assert not s.unchanged() and graphs_mod._Set(grad=False).unchanged()
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_the_process_as_it_was_gpu():
+    # torch leaves the capture stream current, the pool recording and the CUDA generators in
+    # their capture state when a capture fails; after forge's recording() the caller's stream
+    # is current, random draws work and the next capture (another decoding signature, another
+    # layer set) captures and replays right
+    from types import SimpleNamespace
+
+    from forge.patching.graphs import capture_stream, recording
+
+    dev = torch.device("cuda")
+    side, owner, cur = capture_stream(dev), SimpleNamespace(pool=None), torch.cuda.current_stream(dev)
+    x = torch.ones(4096, device=dev)
+    with pytest.raises(Exception):
+        with recording(torch.cuda.CUDAGraph(), owner, side):
+            torch.rand(8, device=dev)
+            (x * 2).sum().item()  # a host sync: the capture is invalidated
+    assert torch.cuda.current_stream(dev) == cur
+    torch.rand(8, device=dev)
+    g = torch.cuda.CUDAGraph()
+    with recording(g, owner, side):
+        y = x * 3 + torch.rand(4096, device=dev) * 0
+    x.fill_(2.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 6.0))

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..spec import row_linear
-from .graphs import capture_stream, watch_workspaces, workspace_epoch
+from .graphs import capture_stream, recording, watch_workspaces, workspace_epoch
 from .guard import CAPTURE
 
 WARMUP = 2  # uncaptured steps of a signature before its capture
@@ -219,10 +219,8 @@ class CudaGraphs:
     def capture(self, fn, owner, dev):
         """(graph, fn's output tensor at its static address); the kernels are recorded, not run."""
         side, cur = self._streams(dev)
-        if owner.pool is None:
-            owner.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=owner.pool, stream=side):
+        with recording(graph, owner, side):
             out = fn()
         if side != cur:
             cur.wait_stream(side)

@@ -63,7 +63,9 @@ graphs would capture forge's replays).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import sys
 import threading
 import weakref
@@ -75,6 +77,8 @@ from ..ops.gated_mlp import _any_autocast
 from ..spec._check import no_double_backward
 from . import experts as _experts
 from .guard import CAPTURE
+
+log = logging.getLogger("forge")
 
 MAX_SETS = 4          # input shapes captured per model; calls of further shapes run uncaptured
 MAX_CAPTURES = 8      # captures per patch (a set dropped for changed parameters is captured again)
@@ -320,6 +324,41 @@ def capture_stream(dev) -> "torch.cuda.Stream":
     if side is None:
         side = _STREAMS[dev] = torch.cuda.Stream(device=dev)
     return side
+
+
+@contextlib.contextmanager
+def recording(graph, owner, stream):
+    """``torch.cuda.graph(graph, pool=owner.pool, stream=stream)`` (the pool made on first use),
+    which leaves the process as it found it when the capture fails (a kernel that cannot be
+    captured, a host sync inside). torch then leaves three things behind (torch 2.11, an H100:
+    docs/generate.md, "A failed capture"): the capture stream as the current one; the allocator
+    recording into the pool, which no later capture into it can begin; the CUDA generators in
+    their capture state, so that every later random draw of the process fails. This restores
+    the stream, drops the pool for a fresh one (graphs captured into the old one keep theirs)
+    and heals the generators with one capture that succeeds: its end takes them out of that
+    state."""
+    if owner.pool is None:
+        owner.pool = torch.cuda.graph_pool_handle()
+    pool, dev = owner.pool, stream.device
+    cur = torch.cuda.current_stream(dev)
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(cur)
+        try:
+            torch._C._cuda_endAllocateToPool(dev.index, pool)
+        except RuntimeError:  # torch ended it ("not currently recording")
+            pass
+        owner.pool = None
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):  # (a pool of its own)
+                torch.empty(1, device=dev).zero_()
+        except Exception as e:  # noqa: BLE001 - the capture's own error is the one raised
+            log.warning("forge graphs: no capture succeeds after a failed one (%s: %s); random draws on %s may "
+                        "fail", type(e).__name__, str(e)[:200], dev)
+            torch.cuda.set_stream(cur)
+        raise
 
 
 class Graphs:
@@ -638,8 +677,6 @@ class Graphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             if s.recorder is not None:
                 s.recorder.kv.clear()
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
             outs, xs = [], []
             for i in range(len(self.layers)):
                 lg = _Layer()
@@ -647,7 +684,7 @@ class Graphs:
                 lg.fwd, lg.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 lg.copy_in = i == 0
                 xi = x_in if i == 0 else outs[-1].detach().requires_grad_(outs[-1].requires_grad)
-                with torch.cuda.graph(lg.fwd, pool=self.pool, stream=side):
+                with recording(lg.fwd, self, side):
                     out = self._run(i, xi, s)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"decoder layer {i} returned {type(out).__name__}, not a tensor")
@@ -666,7 +703,7 @@ class Graphs:
                 inputs = ([xs[i]] if lg.x_grad else []) + leaves[i]
                 lg.grad_mask, lg.nflat = [False] * len(lg.params), 0
                 if out.requires_grad and inputs:
-                    with torch.cuda.graph(lg.bwd, pool=self.pool, stream=side):
+                    with recording(lg.bwd, self, side):
                         self._capture_backward(lg, out, inputs, s)
                 lg.out = out.detach()
                 del out
