@@ -57,8 +57,9 @@ MODES = ("greedy_search", "sample")
 KV_APPEND = False
 # a decoding step's products of one row (batch 1: q/k/v, o, routers, the LM head) run the
 # attention backend's row_linear (forge.spec.row_linear) instead of cuBLAS, in the steps captured
-# (decode_runtime.step_kernels); read when a model is patched
-ROW_LINEAR = False
+# (decode_runtime.step_kernels): on, as it takes 2-6% off a batch-1 call on an H100 (docs/generate.md,
+# "One-row products"); read when a model is patched
+ROW_LINEAR = True
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
 _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                           "return_dict", "output_attentions", "output_hidden_states"})
