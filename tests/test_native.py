@@ -334,16 +334,22 @@ def test_ttir_names_the_row_count_nowhere():
     assert re.search(r"\b896\b", low.ttir)  # the width (a stride and a mask bound) is in it
 
 
+def _keyed_launch(launcher, tmp_path, monkeypatch) -> str:
+    """A plan cache in ``tmp_path`` and the launcher that keys modules here: the Triton launcher on
+    a GPU (compiles counted for real), JAX lowering each module on the CPU. The device to use."""
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    if HAS_CUDA:
+        launcher(None)
+    else:
+        launcher("jax", lower=True)
+    return "cuda" if HAS_CUDA else "cpu"
+
+
 def test_new_row_counts_share_the_compiled_kernels(launcher, tmp_path, monkeypatch):
     """Plans are per shape, the compiled kernels per lowered module: forward and backward at
     several row counts (one of them a single row) make a plan each but key two modules, as
     many as one row count (the Triton launcher compiles each key once)."""
-    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
-    dev = "cuda" if HAS_CUDA else "cpu"
-    if HAS_CUDA:  # the Triton launcher: compiles counted for real
-        launcher(None)
-    else:
-        launcher("jax", lower=True)
+    dev = _keyed_launch(launcher, tmp_path, monkeypatch)
     f = ops.get("rmsnorm", "pallas")
     for m in (1, 37, 300):
         x = torch.randn(m, 64, device=dev, requires_grad=True)
@@ -365,12 +371,7 @@ def test_a_full_plan_table_drops_the_least_recently_used(launcher, tmp_path, mon
     """With the table full, a new plan drops the one used longest ago, not the first built: a
     plan still in use (a decoding step's, needed again when the step is captured, where building
     it anew could break the capture) stays."""
-    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
-    dev = "cuda" if HAS_CUDA else "cpu"
-    if HAS_CUDA:
-        launcher(None)
-    else:
-        launcher("jax", lower=True)
+    dev = _keyed_launch(launcher, tmp_path, monkeypatch)
     state.clear()
     monkeypatch.setattr(state, "PLANS_MAX", 2)
     f = ops.get("rmsnorm", "pallas")
@@ -389,12 +390,7 @@ def test_rope_shapes_in_one_bucket_share_the_compiled_kernels(launcher, tmp_path
     from forge_pallas import _common as C
     from forge_pallas import rope as rp
 
-    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
-    dev = "cuda" if HAS_CUDA else "cpu"
-    if HAS_CUDA:
-        launcher(None)
-    else:
-        launcher("jax", lower=True)
+    dev = _keyed_launch(launcher, tmp_path, monkeypatch)
     top = 64 * 4 * C.num_cores()  # head dim 64: the top bucket, 64 positions per program
     shapes = ((1, top, 1), (2, top // 2 + 1, 2), (3, top // 3 + 5, 1))
     assert len({rp._block_s(b * s, s, 32) for b, s, _ in shapes}) == 1
@@ -577,12 +573,7 @@ def test_plans_come_back_from_their_recipes_on_disk(launcher, tmp_path, monkeypa
     cleared, as in a new process, every pass is built from its recipe without tracing it again
     (``recipe.trace`` is not called) and computes the same. A damaged recipe is traced again, and
     other kernel code (another code stamp) keys other recipes."""
-    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
-    if HAS_CUDA:
-        launcher(None)
-    else:
-        launcher("jax", lower=True)
-    dev = "cuda" if HAS_CUDA else "cpu"
+    dev = _keyed_launch(launcher, tmp_path, monkeypatch)
     cases = _cases(torch.float32, dev, 5)
     keys = ["rmsnorm", "lora_mlp_dropout"]  # one kernel with a reduction after it; one with many torch steps
     cold = {k: _run(k, *cases[k], seed=3) for k in keys}
