@@ -6,15 +6,24 @@ gradient with ``forge.spec.tolerance``'s rule.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from forge.spec import tolerance
 
+# a case on the CPU (the interpreted kernels) and, gpu-marked, on CUDA (the compiled ones)
+ON_CPU_AND_GPU = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+
+
+def skip_interpreters_on_gpu(device: str) -> None:
+    """An ``ON_CPU_AND_GPU`` case's CPU half is skipped where CUDA is: there the kernels are compiled."""
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("the CPU case runs the interpreters: on a CUDA machine the kernels are compiled")
+
 
 def need_backend(backend: str) -> None:
     """Skip the calling test, with the registry's reason, where ``backend`` cannot run here."""
-    import pytest
-
     from forge import ops
 
     ok, why = ops.availability(backend)

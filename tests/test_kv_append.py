@@ -13,6 +13,7 @@ import torch
 
 import forge.ops
 from forge.spec import kv_append as spec
+from oracle import ON_CPU_AND_GPU, skip_interpreters_on_gpu
 
 BACKENDS = list(forge.ops.BACKENDS)
 GPU = torch.cuda.is_available()
@@ -83,12 +84,10 @@ def test_kv_append_gpu(backend, b, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA device")])])
+@ON_CPU_AND_GPU
 def test_kv_append_float32_cache_under_autocast(backend, device):
     # a float32 cache written under autocast(bf16): exact, nothing rounded to bf16
-    if device == "cpu" and GPU:
-        pytest.skip("the CPU case runs the interpreters: on a CUDA machine the kernels are compiled")
+    skip_interpreters_on_gpu(device)
     h, c, d = (8, 384, 128) if device == "cuda" else (3, 9, 16)
     _run(backend, 2, h, c, d, torch.float32, device, 4, strided=True, autocast=True)
 

@@ -17,6 +17,7 @@ import forge.ops
 from forge.patching import decode_runtime
 from forge.spec import row_linear as spec
 from forge.spec import tolerance
+from oracle import ON_CPU_AND_GPU, skip_interpreters_on_gpu
 
 BACKENDS = list(forge.ops.BACKENDS)
 GPU = torch.cuda.is_available()
@@ -80,13 +81,11 @@ def test_row_linear_gpu(backend, n, k, bias):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA device")])])
+@ON_CPU_AND_GPU
 def test_row_linear_float32_under_autocast(backend, device):
     # float32 operands under autocast(bf16): a float32 product under the float32 rule, nothing
     # rounded to bf16 (the decoding steps' mode leaves such calls to torch: test below)
-    if device == "cpu" and GPU:
-        pytest.skip("the CPU case runs the interpreters: on a CUDA machine the kernels are compiled")
+    skip_interpreters_on_gpu(device)
     n, k = (5120, 2048) if device == "cuda" else (24, 600)
     _check(backend, 1, n, k, torch.float32, device, True, autocast=True)
 
