@@ -51,10 +51,9 @@ MAX_CACHES = 4  # static caches kept (one per batch size)
 ATTN_OK = ("sdpa", "eager")
 MODES = ("greedy_search", "sample")
 # the decoding steps write the cache with the attention backend's kv_append (one launch a layer,
-# forge.spec.kv_append) instead of transformers' three: off, as on a GPU neither backend's write
-# gained beyond the runs' drift (docs/generate.md, "The cache write in one launch"); read when a
-# model is patched
-KV_APPEND = False
+# forge.spec.kv_append) instead of transformers' three: on, as it takes 1-3% off a batch-1 call on
+# an H100 (docs/generate.md, "The cache write in one launch"); read when a model is patched
+KV_APPEND = True
 # a decoding step's products of one row (batch 1: q/k/v, o, routers, the LM head) run the
 # attention backend's row_linear (forge.spec.row_linear) instead of cuBLAS, in the steps captured
 # (decode_runtime.step_kernels): on, as it takes 2-6% off a batch-1 call on an H100 (docs/generate.md,
