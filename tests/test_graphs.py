@@ -705,3 +705,41 @@ def test_a_failed_capture_leaves_the_process_as_it_was_gpu():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, torch.full_like(x, 6.0))
+
+
+@pytest.mark.gpu
+def test_another_threads_cuda_calls_leave_a_capture_alone_gpu():
+    # forge captures in torch's "thread_local" mode (graphs.CAPTURE_MODE): a CUDA call that
+    # synchronises, made by another thread on its own stream while a capture runs (as a runtime's
+    # worker threads may), neither fails there nor invalidates the capture, which replays right
+    import threading
+    from types import SimpleNamespace
+
+    from forge.patching.graphs import capture_stream, recording
+
+    dev = torch.device("cuda")
+    side, owner = capture_stream(dev), SimpleNamespace(pool=None)
+    x = torch.ones(4096, device=dev)
+    other, done = {}, threading.Event()
+
+    def work():
+        try:
+            with torch.cuda.stream(torch.cuda.Stream(device=dev)):
+                other["sum"] = float(torch.full((1 << 20,), 2.0, device=dev).sum())  # (a host sync)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            other["error"] = e
+        done.set()
+
+    g = torch.cuda.CUDAGraph()
+    with recording(g, owner, side):
+        y = x * 3
+        t = threading.Thread(target=work)
+        t.start()
+        assert done.wait(60)
+        y = y + 1
+    t.join()
+    assert other == {"sum": float(2 << 20)}, other
+    x.fill_(2.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 7.0))

@@ -326,6 +326,11 @@ def capture_stream(dev) -> "torch.cuda.Stream":
     return side
 
 
+# (torch's default is "global": a CUDA call that may synchronise, made by any thread of the process
+# while a capture runs, invalidates it; "thread_local" checks the capturing thread's own calls)
+CAPTURE_MODE = "thread_local"
+
+
 @contextlib.contextmanager
 def recording(graph, owner, stream):
     """``torch.cuda.graph(graph, pool=owner.pool, stream=stream)`` (the pool made on first use),
@@ -342,7 +347,7 @@ def recording(graph, owner, stream):
     pool, dev = owner.pool, stream.device
     cur = torch.cuda.current_stream(dev)
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE):
             yield
     except BaseException:
         torch.cuda.set_stream(cur)
