@@ -216,16 +216,18 @@ def kv_append(keys, values, k, v, n):
 
 
 # -- one-row products (forward only: the decoding steps' dense products at batch 1) -------------
-def _check_row_linear(x, w, b):
-    row_linear_spec.check(x, w, b)
-    check_devices(x=x, w=w, **({} if b is None else {"b": b}))
+def _check_row_linear(x, w, b, r):
+    row_linear_spec.check(x, w, b, r)
+    check_devices(x=x, w=w, **{n: t for n, t in (("b", b), ("r", r)) if t is not None})
 
 
-def row_linear(x, w, b=None):
+def row_linear(x, w, b=None, r=None):
     """Pallas product with the signature of ``forge.spec.row_linear.reference``."""
-    sig = ("row_linear", _tsig(x, w), None if b is None else _tsig(b))
-    checked(sig, _check_row_linear, x, w, b)
+    sig = ("row_linear", _tsig(x, w), None if b is None else _tsig(b), None if r is None else _tsig(r))
+    checked(sig, _check_row_linear, x, w, b, r)
     if not (x.shape[0] and w.shape[0] and x.shape[1]):
-        return row_linear_spec.reference(x, w, b)
+        return row_linear_spec.reference(x, w, b, r)
     bias = w.new_zeros(1) if b is None else b
-    return core.apply(ROW_LINEAR, x.contiguous(), w, bias, has_bias=b is not None)
+    res = w.new_zeros(1) if r is None else r.contiguous()
+    outs = core.apply(ROW_LINEAR, x.contiguous(), w, bias, res, has_bias=b is not None, has_res=r is not None)
+    return outs if r is None else tuple(outs)

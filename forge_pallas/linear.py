@@ -19,7 +19,7 @@ MAX_BLOCK_K = 512
 WIDE = 1 << 16  # (as the Triton twin: 4 warps from this many output features, else 8)
 
 
-def _row_linear_kernel(x_ref, w_ref, b_ref, y_ref, *, n, k, has_bias, block_n, block_k):
+def _row_linear_kernel(x_ref, w_ref, b_ref, r_ref, y_ref, *s_ref, n, k, has_bias, block_n, block_k):
     pn, m = pl.program_id(0), pl.program_id(1)
     feats = pn * block_n + jnp.arange(block_n)
     nmask = feats < n
@@ -37,18 +37,24 @@ def _row_linear_kernel(x_ref, w_ref, b_ref, y_ref, *, n, k, has_bias, block_n, b
     y = jnp.sum(acc, axis=1)
     if has_bias:
         y = y + C.load(b_ref.at[rows], mask=nmask, other=0.0).astype(jnp.float32)
-    C.store(y_ref.at[m, rows], y.astype(y_ref.dtype), mask=nmask)
+    y = y.astype(y_ref.dtype)
+    C.store(y_ref.at[m, rows], y, mask=nmask)
+    if s_ref:  # (with a residual: the sum of the rounded product and it, as torch's y + r rounds it)
+        r = C.load(r_ref.at[m, rows], mask=nmask, other=0.0).astype(jnp.float32)
+        C.store(s_ref[0].at[m, rows], (y.astype(jnp.float32) + r).astype(y_ref.dtype), mask=nmask)
 
 
 _launch = C.triton_call
 
 
-def row_linear_fwd(x, w, b, *, has_bias):
-    """x (M, K), w (N, K), b (N,) (a placeholder without bias) -> ((y (M, N),), ()); K >= 1."""
+def row_linear_fwd(x, w, b, r, *, has_bias, has_res):
+    """x (M, K), w (N, K), b (N,), r (M, N) (placeholders without bias or residual) -> ((y (M, N),
+    and s = y + r (M, N) with a residual), ()); K >= 1."""
     m, k = x.shape
     n = w.shape[0]
     block_k = min(MAX_BLOCK_K, max(16, C.next_power_of_2(k)))
     kern = functools.partial(_row_linear_kernel, n=n, k=k, has_bias=has_bias, block_n=BLOCK_N, block_k=block_k)
-    y = _launch(kern, name="row_linear", grid=(C.cdiv(n, BLOCK_N), m), num_warps=4 if n >= WIDE else 8,
-                out_shape=jax.ShapeDtypeStruct((m, n), x.dtype))(x, w, b)
-    return (y,), ()
+    out = jax.ShapeDtypeStruct((m, n), x.dtype)
+    outs = _launch(kern, name="row_linear", grid=(C.cdiv(n, BLOCK_N), m), num_warps=4 if n >= WIDE else 8,
+                   out_shape=(out, out) if has_res else (out,))(x, w, b, r)
+    return tuple(outs), ()

@@ -25,8 +25,8 @@ WIDE = 1 << 16  # from this many output features (an LM head), 4 warps a program
 
 
 @triton.jit
-def _row_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sxm, sym, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, s_ptr, N, K, sxm, sym, srm, HAS_BIAS: tl.constexpr,
+                       HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pn = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -42,7 +42,11 @@ def _row_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sxm, sym, HAS_BIAS: tl.
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * sym + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+    y = _common.cast(y, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m * sym + rn, y, mask=nmask)
+    if HAS_RES:  # (the sum of the rounded product and the residual, as torch's y + r rounds it)
+        r = tl.load(r_ptr + m * srm + rn, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(s_ptr + m * sym + rn, _common.cast(y.to(tl.float32) + r, y_ptr.dtype.element_ty), mask=nmask)
 
 
 _kernel = _launch.FastKernel(_row_linear_kernel)
@@ -53,19 +57,19 @@ def settings(n: int, k: int) -> tuple[int, int]:
     return min(MAX_BLOCK_K, max(16, _common.next_pow2(k))), 4 if n >= WIDE else 8
 
 
-def row_linear(x, w, b=None):
+def row_linear(x, w, b=None, r=None):
     """Triton product with the signature of ``forge.spec.row_linear.reference``."""
-    spec.check(x, w, b)
-    _common.check_device(x=x, w=w, b=b)
+    spec.check(x, w, b, r)
+    _common.check_device(x=x, w=w, b=b, r=r)
     m, k = x.shape
     n = w.shape[0]
+    if not (m and n and k):
+        return spec.reference(x, w, b, r)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if not (m and n):
-        return y
-    if not k:
-        return y.zero_() if b is None else y.copy_(b.expand(m, n))
+    s = y if r is None else torch.empty_like(y)
     block_k, warps = settings(n, k)
-    _kernel[(_common.cdiv(n, BLOCK_N), m)](x, w, w if b is None else b, y, n, k, x.stride(0), y.stride(0),
-                                          HAS_BIAS=b is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-                                          num_warps=warps)
-    return y
+    _kernel[(_common.cdiv(n, BLOCK_N), m)](x, w, w if b is None else b, y, y if r is None else r, s, n, k,
+                                          x.stride(0), y.stride(0), 0 if r is None else r.stride(0),
+                                          HAS_BIAS=b is not None, HAS_RES=r is not None, BLOCK_N=BLOCK_N,
+                                          BLOCK_K=block_k, num_warps=warps)
+    return y if r is None else (y, s)

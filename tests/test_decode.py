@@ -295,17 +295,23 @@ def test_kv_append_writes_the_decoding_steps_cache(fake_graphs, monkeypatch, on)
         assert len(calls) >= model.config.num_hidden_layers * (decode_runtime.WARMUP + 1), calls
 
 
-@pytest.mark.parametrize("on", [False, True])
-def test_row_linear_takes_the_decoding_steps_one_row_products(fake_graphs, monkeypatch, on):
+@pytest.mark.parametrize("on,sums", [(False, True), (True, True), (True, False)])
+def test_row_linear_takes_the_decoding_steps_one_row_products(fake_graphs, monkeypatch, on, sums):
     # with decode.ROW_LINEAR on, a batch-1 decoding step's products (q/k/v, o, gate/up, down, the
-    # head) run the attention backend's row_linear while warmed up and captured; off, it is never called
+    # head) run the attention backend's row_linear while warmed up and captured; off, it is never
+    # called. With decode.ROW_SUMS too, o's and down's products write the residual sums each
+    # layer adds next, and both additions take them (the tokens follow eager's either way)
+    monkeypatch.setattr(decode, "ROW_SUMS", sums)
     model, calls = _decode_with_switch(monkeypatch, "row_linear", "ROW_LINEAR", on, 1, 1)
     d = model._forge_graphs.decode
     assert (d.linear is not None) == on
+    layers = model.config.num_hidden_layers
     if on:  # (each layer's products and the head, in the warm-up steps and the capture)
         per_step = len(calls) // (decode_runtime.WARMUP + 1)
-        assert per_step >= 3 * model.config.num_hidden_layers + 1 and calls[-1][0] == model.config.vocab_size, calls
+        assert per_step >= 3 * layers + 1 and calls[-1][0] == model.config.vocab_size, calls
         assert sum(s.row_calls for s in d.slots.values()) == len(calls)
+        steps = decode_runtime.WARMUP + 1  # (the stand-in's replays rerun the step outside the mode)
+        assert sum(s.row_sums for s in d.slots.values()) == (2 * layers * steps if sums else 0)
 
 
 def test_sampling_with_a_seed(fake_graphs):
@@ -701,6 +707,7 @@ def test_greedy_generate_switch_gpu(backend, switch, batch, monkeypatch):
         if not native.available()[0]:
             pytest.skip(f"the Pallas native launch is unavailable here: {native.available()[1]}")
     monkeypatch.setattr(decode, switch, True)
+    monkeypatch.setattr(decode, "ROW_SUMS", switch == "ROW_LINEAR")
     model = _model("qwen3", "qwen05b", torch.bfloat16, "cuda")
     ids, mask = _prompt(model, batch, 32, "cuda")
     kw = {"min_elements": 0} if backend == "pallas" else {}
@@ -708,8 +715,9 @@ def test_greedy_generate_switch_gpu(backend, switch, batch, monkeypatch):
     st, d = model._forge_graphs.stats, model._forge_graphs.decode
     assert d.attends == backend and (d.append if switch == "KV_APPEND" else d.linear) is not None
     assert st.decode_captures == 1 and st.decode_replayed > 0, st
-    if switch == "ROW_LINEAR":
+    if switch == "ROW_LINEAR":  # (and ROW_SUMS: o's and down's sums, each layer)
         assert sum(s.row_calls for s in d.slots.values()) > 0
+        assert sum(s.row_sums for s in d.slots.values()) >= 2 * model.config.num_hidden_layers
 
 
 @pytest.mark.gpu

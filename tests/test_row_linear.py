@@ -55,6 +55,23 @@ def test_row_linear_cpu(backend, m, n, k, dtype, bias, row_stride):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_linear_writes_the_residual_sum_cpu(backend, dtype):
+    # with r, the same launch writes y + r as torch's addition rounds it (y first to the dtype):
+    # bit for bit, and y as the call without r makes it; rows at a stride
+    if GPU:
+        pytest.skip("the CPU case runs the interpreters: on a CUDA machine the kernels are compiled")
+    f = forge.ops.get("row_linear", backend)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 600, generator=gen).to(dtype)
+    w = (torch.randn(20, 600, generator=gen) / 25).to(dtype)
+    r = torch.randn(3, 24, generator=gen).to(dtype)[:, :20]
+    y, s = f(x, w, None, r)
+    assert torch.equal(y, f(x, w)) and torch.equal(s, y + r)
+    tolerance.assert_close("row_linear with r", y, x.double() @ w.double().T, F.linear(x, w), dtype, 600)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_row_linear_empty(backend, device):
     f = forge.ops.get("row_linear", backend)
     w = torch.randn(5, 8, device=device)
@@ -78,6 +95,22 @@ def test_row_linear_empty(backend, device):
 def test_row_linear_gpu(backend, n, k, bias):
     _check(backend, 1, n, k, torch.bfloat16, "cuda", bias, seed=n)
     _check(backend, 2, n, k, torch.bfloat16, "cuda", bias, seed=n + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (2048, 4096)])  # Llama o, down; Qwen3's o
+def test_row_linear_writes_the_residual_sum_gpu(backend, n, k):
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to("cuda", torch.bfloat16)
+    r = torch.randn(1, n, generator=gen).to("cuda", torch.bfloat16)
+    f = forge.ops.get("row_linear", backend)
+    y, s = f(x, w, None, r)
+    assert torch.equal(y, f(x, w)) and torch.equal(s, y + r)
+    tolerance.assert_close(f"row_linear with r, 1x{k} by {n}x{k}", y, x.double() @ w.double().T, F.linear(x, w),
+                           torch.bfloat16, k)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -108,15 +141,22 @@ def test_row_linear_errors(backend):
         f(torch.zeros(1, 32)[:, ::2], w)
     with pytest.raises(ValueError, match=r"x must be \(M, K\)"):
         f(torch.zeros(1, 1, 16), w)
+    with pytest.raises(ValueError, match=r"r must be \(M, N\) = \(1, 8\)"):
+        f(x, w, None, torch.zeros(1, 16))
+    with pytest.raises(TypeError, match="x is torch.float32 but r is torch.bfloat16"):
+        f(x, w, None, torch.zeros(1, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="r must have unit stride along N"):
+        f(x, w, None, torch.zeros(1, 16)[:, ::2])
 
 
 class _Spy:
     def __init__(self):
-        self.shapes = []
+        self.shapes, self.sums = [], 0
 
-    def __call__(self, x, w, b=None):
+    def __call__(self, x, w, b=None, r=None):
         self.shapes.append((tuple(x.shape), tuple(w.shape), b is not None))
-        return spec.reference(x, w, b)
+        self.sums += r is not None
+        return spec.reference(x, w, b, r)
 
 
 def test_step_mode_takes_one_row_products_only():
@@ -152,7 +192,7 @@ def test_step_kernels_counts_the_calls_taken():
     spy = _Spy()
 
     class Slot:
-        attention, linear, row_calls = None, spy, 0
+        attention, linear, row_calls, sums, row_sums = None, spy, 0, False, 0
 
     lin = torch.nn.Linear(16, 8, bias=False)
     with torch.no_grad():
@@ -162,3 +202,47 @@ def test_step_kernels_counts_the_calls_taken():
         with decode_runtime.step_kernels(Slot):
             lin(torch.randn(1, 16))
     assert Slot.row_calls == 1 and len(spy.shapes) == 1
+
+
+def _layer(emb, wo, wd, ids, between=None, swap=False, touch=False):
+    """A decoder layer's residual stream as transformers writes it: embedding, o's product added
+    to it, down's product added to that (``between``: a function on the product before the
+    addition, as gemma2's norm; ``swap``: product + residual; ``touch``: the residual changed in
+    place between the product and the addition)."""
+    h = emb(ids)
+    o = F.linear(torch.sin(h), wo)
+    if touch:
+        h.mul_(2)
+    o = o if between is None else between(o)
+    s1 = o + h if swap else h + o
+    return s1 + F.linear(torch.cos(s1), wd)
+
+
+@pytest.mark.parametrize("case", ["plain", "swap", "between", "touch", "alpha"])
+def test_step_mode_writes_the_residual_sums(case):
+    # with sums on, o's and down's products write the residual stream's sums and the additions
+    # right after them take those: the same tensors, bit for bit, as the mode without sums; an
+    # addition of other tensors (a norm between, as gemma2's), of a residual changed in place, or
+    # with alpha, runs torch's own and gets the same result
+    gen = torch.Generator().manual_seed(11)
+    emb = torch.nn.Embedding(10, 16).to(torch.bfloat16)
+    wo, wd = (torch.randn(16, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    ids = torch.tensor([[3]])
+    kw = {"swap": case == "swap", "touch": case == "touch",
+          "between": {"between": lambda t: t * 0.5, "alpha": None}.get(case)}
+    layer = _layer
+    if case == "alpha":
+        def layer(emb, wo, wd, ids, **_):
+            h = emb(ids)
+            return torch.add(h, F.linear(torch.sin(h), wo), alpha=2)
+    got, want = [], []
+    with torch.no_grad():
+        for sums, out in ((True, got), (False, want)):
+            spy = _Spy()
+            with decode_runtime._RowProducts(spy, sums=sums) as mode:
+                out.append(layer(emb, wo, wd, ids, **kw))
+            out.append((mode.taken, mode.summed, spy.sums))
+    assert torch.equal(got[0], want[0]) and got[0].shape == (1, 1, 16)
+    taken = 1 if case == "alpha" else 2
+    served = {"plain": 2, "swap": 2, "between": 1, "touch": 1, "alpha": 0}[case]
+    assert got[1] == (taken, served, taken) and want[1] == (taken, 0, 0), (got[1], want[1])

@@ -116,6 +116,9 @@ def packed_gqa(attention=None):
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
+_ADDS = (torch.Tensor.add, torch.add)
+
+
 class _RowProducts(torch.overrides.TorchFunctionMode):
     """While a decoding step runs uncaptured or is captured: ``F.linear`` of one row (batch 1:
     q/k/v stored together, o, a router, the LM head; nn.Linear's forward and forge's own calls
@@ -124,19 +127,59 @@ class _RowProducts(torch.overrides.TorchFunctionMode):
     costs host time only in the steps that warm up or capture. Taken: input and weight of one
     float dtype (16 or 32 bits) on one device, plain tensors (no subclass, no FSDP2 shard), a
     contiguous weight, a bias of that dtype or none, no gradient wanted and no autocast (which
-    would cast first)."""
+    would cast first).
 
-    def __init__(self, kernel):
+    With ``sums``, the residual additions ride on the products: a decoder layer adds o_proj's
+    output (and a dense MLP's down product) to its residual stream right after the product. The
+    mode keeps the last one-row tensor of each shape that an addition or the embedding made (the
+    stream, as the layers hand it on); a product whose output has that shape and dtype also
+    writes the sum with it, in the same launch (the kernel's ``r``), and the next addition of
+    exactly those two tensors (the same objects, neither changed since: version counters) returns
+    that sum instead of launching its own kernel. Any other addition runs as it would. The sum is
+    the one torch's addition makes, bit for bit (forge.spec.row_linear); where the guess is wrong
+    (a model that normalises the product first, as gemma2 does) the extra row written is the only
+    cost."""
+
+    def __init__(self, kernel, sums=False):
         super().__init__()
         self.kernel = kernel
+        self.sums = sums
         self.taken = 0  # calls the kernel ran (tests)
+        self.summed = 0  # additions served by a product's sum (tests)
+        self.streams: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> the last such row made
+        self.pending = None  # (r, its version, y, its version, y + r): the last product's sum
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.linear and not kwargs and len(args) in (2, 3):
             out = self._one_row(*args)
             if out is not None:
                 return out
+        elif self.sums and func in _ADDS and not kwargs and len(args) == 2:
+            out = self._sum(*args)
+            if out is None:
+                out = func(*args)
+            self._note(out)
+            return out
+        elif self.sums and func is F.embedding:
+            out = func(*args, **(kwargs or {}))
+            self._note(out)
+            return out
         return func(*args, **(kwargs or {}))
+
+    def _note(self, t):
+        if type(t) is torch.Tensor and t.dim() and t.numel() == t.shape[-1] and t.stride(-1) == 1:
+            self.streams[(t.shape, t.dtype, t.device)] = t
+
+    def _sum(self, a, b):
+        p = self.pending
+        if p is None:
+            return None
+        r, rv, y, yv, s = p
+        if ((a is r and b is y) or (a is y and b is r)) and r._version == rv and y._version == yv:
+            self.pending = None
+            self.summed += 1
+            return s
+        return None
 
     def _one_row(self, x, w, b=None):
         if (type(x) is not torch.Tensor or type(w) not in _PLAIN or (b is not None and type(b) not in _PLAIN)
@@ -149,22 +192,31 @@ class _RowProducts(torch.overrides.TorchFunctionMode):
         if torch.is_autocast_enabled(x.device.type):
             return None
         self.taken += 1
-        return self.kernel(x.reshape(1, -1), w, b).view(*x.shape[:-1], w.shape[0])
+        shape = torch.Size((*x.shape[:-1], w.shape[0]))
+        r = self.streams.get((shape, x.dtype, x.device)) if self.sums else None
+        if r is None or (r.requires_grad and torch.is_grad_enabled()):  # (the sum would carry no graph)
+            return self.kernel(x.reshape(1, -1), w, b).view(shape)
+        y, s = self.kernel(x.reshape(1, -1), w, b, r.view(1, -1))
+        y, s = y.view(shape), s.view(shape)
+        self.pending = (r, r._version, y, y._version, s)
+        return y
 
 
 @contextlib.contextmanager
 def step_kernels(slot):
     """What a decoding step of ``slot`` (a :class:`CachedSteps`) runs under while it warms up or
     is captured: :func:`packed_gqa` with its attention kernel, and its one-row product kernel
-    (``slot.linear``, or None: cuBLAS) for ``F.linear`` of one row (:class:`_RowProducts`)."""
+    (``slot.linear``, or None: cuBLAS) for ``F.linear`` of one row, with the residual additions
+    after them where ``slot.sums`` (:class:`_RowProducts`)."""
     with packed_gqa(slot.attention):
         if slot.linear is None:
             yield
             return
-        mode = _RowProducts(slot.linear)
+        mode = _RowProducts(slot.linear, slot.sums)
         with mode:
             yield
         slot.row_calls += mode.taken
+        slot.row_sums += mode.summed
 
 
 class CudaGraphs:
@@ -358,7 +410,8 @@ def one_token_update(self, key_states, value_states, *args, append=None, **kwarg
 class CachedSteps:
     """The captured decoding steps on one static cache (one batch size, one capacity)."""
 
-    def __init__(self, cache, batch: int, capacity: int, attention=None, head=None, append=None, linear=None):
+    def __init__(self, cache, batch: int, capacity: int, attention=None, head=None, append=None, linear=None,
+                 sums=False):
         from transformers.cache_utils import StaticLayer
 
         update = one_token_update if append is None else functools.partial(one_token_update, append=append)
@@ -370,6 +423,8 @@ class CachedSteps:
         self.head = head  # the model's LM head (logits_outside_pool), or None
         self.linear = linear  # the one-row product kernel (forge.spec.row_linear; step_kernels), or None: cuBLAS
         self.row_calls = 0  # F.linear calls it took, in the steps warmed up or captured
+        self.sums = sums  # the residual additions written by the products before them (step_kernels)
+        self.row_sums = 0  # additions those served, in the same steps
         self.filled = False  # the prompt is in the cache (decode.Decoder._prefill)
         self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
         # masks can be built in the graph only where every layer attends to the whole cache

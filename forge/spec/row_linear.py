@@ -14,6 +14,11 @@ of x's dtype; ``b`` None or (N,) of that dtype. float16, bfloat16 or float32. Re
 tensor of x's dtype. Sums are fp32 (the order is the kernel's own: the last bits may differ from
 cuBLAS's). Each row reads the whole weight, so the kernels are for M of 1 to a few; forward only
 (the decoding path runs without gradients).
+
+With ``r`` (M, N) of x's dtype, unit stride along N (a residual stream's row), the same launch
+also writes the sum a decoder layer makes next: returns ``(y, s)`` with ``s = y + r`` rounded as
+torch rounds that addition (y first to x's dtype, then the sum in fp32, then to x's dtype), so
+``s`` equals ``y + r`` computed after the product, bit for bit.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from . import _check
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check(x, w, b=None) -> None:
+def check(x, w, b=None, r=None) -> None:
     _check.tensor("x", x)
     _check.tensor("w", w)
     if x.dim() != 2 or w.dim() != 2:
@@ -39,16 +44,24 @@ def check(x, w, b=None) -> None:
         if tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"b must be (N,) = ({w.shape[0]},) for w {tuple(w.shape)}, got {tuple(b.shape)}")
         _check.same_dtype("x", x, "b", b)
-    _check.same_device(x=x, w=w, b=b)
     if not w.is_contiguous():
         raise ValueError("w must be contiguous (N, K), as an nn.Linear holds its weight")
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise ValueError(f"x must have unit stride along K, got strides {x.stride()}")
+    if r is not None:
+        _check.tensor("r", r)
+        if tuple(r.shape) != (x.shape[0], w.shape[0]):
+            raise ValueError(f"r must be (M, N) = ({x.shape[0]}, {w.shape[0]}), got {tuple(r.shape)}")
+        _check.same_dtype("x", x, "r", r)
+        if r.shape[1] > 1 and r.stride(1) != 1:
+            raise ValueError(f"r must have unit stride along N, got strides {r.stride()}")
+    _check.same_device(x=x, w=w, b=b, r=r)
 
 
-def reference(x, w, b=None):
-    check(x, w, b)
+def reference(x, w, b=None, r=None):
+    check(x, w, b, r)
     y = x.float() @ w.float().T
     if b is not None:
         y = y + b.float()
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    return y if r is None else (y, (y.float() + r.float()).to(x.dtype))
