@@ -27,6 +27,7 @@ _WHERE = {
     "decode_attention": ("kernels", "decode_attention"),  # (the decoding path's, forward only)
     "kv_append": ("kernels", "kv_append"),  # (the decoding path's cache write; no op)
     "row_linear": ("kernels", "row_linear"),  # (the decoding path's one-row products; no op)
+    "row_glu": ("kernels", "row_glu"),  # (and its gate/up product with the gated activation; no op)
     # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
     "mlp_act": ("kernels", "mlp_act"),
     "experts_pieces": ("experts", "experts_pieces"),

@@ -27,7 +27,8 @@ def kernels() -> list:
 
     for mod in ("kernels", "lora", "experts"):
         importlib.import_module(f"{__package__}.{mod}")
-    return [k for k in core.registry().values() if k.name not in ("fused_linear_ce", "kv_append", "row_linear")]
+    skip = ("fused_linear_ce", "kv_append", "row_linear", "row_glu")
+    return [k for k in core.registry().values() if k.name not in skip]
 
 
 def op_name(kdef) -> str:

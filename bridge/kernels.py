@@ -39,6 +39,7 @@ DECODE_ATTENTION = core.KernelDef("decode_attention", _decode_attention.decode_a
 # (keys, values and the counter's words updated in place: the launch writes the caller's buffers)
 KV_APPEND = core.KernelDef("kv_append", _decode_attention.kv_append_fwd, None, diff=(), writes=(0, 1, 4))
 ROW_LINEAR = core.KernelDef("row_linear", _linear.row_linear_fwd, None, diff=())
+ROW_GLU = core.KernelDef("row_glu", _linear.row_glu_fwd, None, diff=())
 
 _SEEN = _check.Validated()  # call signatures already validated
 
@@ -231,3 +232,18 @@ def row_linear(x, w, b=None, r=None):
     res = w.new_zeros(1) if r is None else r.contiguous()
     outs = core.apply(ROW_LINEAR, x.contiguous(), w, bias, res, has_bias=b is not None, has_res=r is not None)
     return outs if r is None else tuple(outs)
+
+
+def _check_row_glu(x, w, act):
+    row_linear_spec.check_glu(x, w, act)
+    check_devices(x=x, w=w)
+
+
+def row_glu(x, w, act):
+    """Pallas product and gated activation with the signature of
+    ``forge.spec.row_linear.glu_reference``."""
+    sig = ("row_glu", _tsig(x, w), act)
+    checked(sig, _check_row_glu, x, w, act)
+    if not (x.shape[0] and w.shape[0] and x.shape[1]):
+        return row_linear_spec.glu_reference(x, w, act)
+    return core.apply(ROW_GLU, x.contiguous(), w, kind="swiglu" if act == "silu" else "geglu")

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from . import _common as C
+from . import glu as _glu
 
 BLOCK_N = 8
 MAX_BLOCK_K = 512
@@ -58,3 +59,41 @@ def row_linear_fwd(x, w, b, r, *, has_bias, has_res):
     outs = _launch(kern, name="row_linear", grid=(C.cdiv(n, BLOCK_N), m), num_warps=4 if n >= WIDE else 8,
                    out_shape=(out, out) if has_res else (out,))(x, w, b, r)
     return tuple(outs), ()
+
+
+def _row_glu_kernel(x_ref, w_ref, y_ref, *, i, k, kind, block_n, block_k):
+    # block_n features of the gate's rows and the same of the up's (i rows further on), each
+    # summed as _row_linear_kernel sums a feature and rounded as its output is, then act(g) * u
+    # as this backend's GLU kernel computes it (forge_pallas/glu.py)
+    pn, m = pl.program_id(0), pl.program_id(1)
+    nmask = (pn * block_n + jnp.arange(block_n)) < i
+    g_rows, u_rows = C.ds(pn * block_n, block_n), C.ds(i + pn * block_n, block_n)
+
+    def tile(t, accs):
+        k0 = t * block_k
+        km = (k0 + jnp.arange(block_k)) < k
+        cols = C.ds(k0, block_k)
+        x = C.load(x_ref.at[m, cols], mask=km, other=0.0).astype(jnp.float32)[None, :]
+        wm = nmask[:, None] & km[None, :]
+        g = C.load(w_ref.at[g_rows, cols], mask=wm, other=0.0).astype(jnp.float32)
+        u = C.load(w_ref.at[u_rows, cols], mask=wm, other=0.0).astype(jnp.float32)
+        return accs[0] + g * x, accs[1] + u * x
+
+    zero = jnp.zeros((block_n, block_k), jnp.float32)
+    acc_g, acc_u = jax.lax.fori_loop(C.i32(0), C.i32(C.cdiv(k, block_k)), tile, (zero, zero))
+    g = jnp.sum(acc_g, axis=1).astype(y_ref.dtype).astype(jnp.float32)
+    u = jnp.sum(acc_u, axis=1).astype(y_ref.dtype).astype(jnp.float32)
+    a, _ = _glu._act(g, kind)
+    C.store(y_ref.at[m, C.ds(pn * block_n, block_n)], (a * u).astype(y_ref.dtype), mask=nmask)
+
+
+def row_glu_fwd(x, w, *, kind):
+    """x (M, K), w (2I, K): the gate's rows, then the up's -> ((act(x W_g^T) * x W_u^T (M, I),), ());
+    kind "swiglu" or "geglu"; K >= 1."""
+    m, k = x.shape
+    i = w.shape[0] // 2
+    block_k = min(MAX_BLOCK_K, max(16, C.next_power_of_2(k)))
+    kern = functools.partial(_row_glu_kernel, i=i, k=k, kind=kind, block_n=BLOCK_N, block_k=block_k)
+    y = _launch(kern, name="row_glu", grid=(C.cdiv(i, BLOCK_N), m), num_warps=4 if 2 * i >= WIDE else 8,
+                out_shape=jax.ShapeDtypeStruct((m, i), x.dtype))(x, w)
+    return (y,), ()

@@ -27,6 +27,7 @@ _WHERE = {
     "decode_attention": ("decode_attention", "decode_attention"),  # (the decoding path's; no op)
     "kv_append": ("decode_attention", "kv_append"),  # (the decoding path's cache write; no op)
     "row_linear": ("linear", "row_linear"),  # (the decoding path's one-row products; no op)
+    "row_glu": ("linear", "row_glu"),  # (and its gate/up product with the gated activation; no op)
     # the pieces of the op layer's nodes (forge.ops.gated_mlp, forge.ops.precomputed)
     "mlp_act": ("glu", "mlp_act"),
     "experts_pieces": ("experts", "experts_pieces"),

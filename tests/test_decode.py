@@ -295,13 +295,16 @@ def test_kv_append_writes_the_decoding_steps_cache(fake_graphs, monkeypatch, on)
         assert len(calls) >= model.config.num_hidden_layers * (decode_runtime.WARMUP + 1), calls
 
 
-@pytest.mark.parametrize("on,sums", [(False, True), (True, True), (True, False)])
-def test_row_linear_takes_the_decoding_steps_one_row_products(fake_graphs, monkeypatch, on, sums):
+@pytest.mark.parametrize("on,sums,glu", [(False, True, True), (True, True, False), (True, False, False),
+                                         (True, False, True)])
+def test_row_linear_takes_the_decoding_steps_one_row_products(fake_graphs, monkeypatch, on, sums, glu):
     # with decode.ROW_LINEAR on, a batch-1 decoding step's products (q/k/v, o, gate/up, down, the
     # head) run the attention backend's row_linear while warmed up and captured; off, it is never
     # called. With decode.ROW_SUMS too, o's and down's products write the residual sums each
-    # layer adds next, and both additions take them (the tokens follow eager's either way)
+    # layer adds next, and both additions take them; with decode.ROW_GLU, each MLP's gate/up
+    # product and activation run as the backend's row_glu (the tokens follow eager's each way)
     monkeypatch.setattr(decode, "ROW_SUMS", sums)
+    monkeypatch.setattr(decode, "ROW_GLU", glu)
     model, calls = _decode_with_switch(monkeypatch, "row_linear", "ROW_LINEAR", on, 1, 1)
     d = model._forge_graphs.decode
     assert (d.linear is not None) == on
@@ -312,6 +315,8 @@ def test_row_linear_takes_the_decoding_steps_one_row_products(fake_graphs, monke
         assert sum(s.row_calls for s in d.slots.values()) == len(calls)
         steps = decode_runtime.WARMUP + 1  # (the stand-in's replays rerun the step outside the mode)
         assert sum(s.row_sums for s in d.slots.values()) == (2 * layers * steps if sums else 0)
+        assert sum(s.row_glus for s in d.slots.values()) == (layers * steps if glu else 0)
+    assert (d.glu is not None) == (on and glu)
 
 
 def test_sampling_with_a_seed(fake_graphs):
@@ -697,10 +702,12 @@ def test_greedy_generate_pallas_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", forge.ops.BACKENDS)
-@pytest.mark.parametrize("switch,batch", [("KV_APPEND", 2), ("ROW_LINEAR", 1)])
+@pytest.mark.parametrize("switch,batch", [("KV_APPEND", 2), ("ROW_LINEAR", 1), ("ROW_GLU", 1)])
 def test_greedy_generate_switch_gpu(backend, switch, batch, monkeypatch):
     # decode.KV_APPEND on: the captured steps write the cache with the backend's kv_append;
     # decode.ROW_LINEAR on: the captured batch-1 steps run their products with its row_linear
+    # (with decode.ROW_SUMS, the residual sums too); decode.ROW_GLU on: the MLPs' gate/up
+    # products and activations with its row_glu
     if backend == "pallas":
         from bridge import native
 
@@ -713,11 +720,14 @@ def test_greedy_generate_switch_gpu(backend, switch, batch, monkeypatch):
     kw = {"min_elements": 0} if backend == "pallas" else {}
     _check_generate(model, ids, mask, 16, torch.bfloat16, torch.float32, backend=backend, graphs=True, **kw)
     st, d = model._forge_graphs.stats, model._forge_graphs.decode
-    assert d.attends == backend and (d.append if switch == "KV_APPEND" else d.linear) is not None
+    kernel = {"KV_APPEND": d.append, "ROW_LINEAR": d.linear, "ROW_GLU": d.glu}[switch]
+    assert d.attends == backend and kernel is not None
     assert st.decode_captures == 1 and st.decode_replayed > 0, st
     if switch == "ROW_LINEAR":  # (and ROW_SUMS: o's and down's sums, each layer)
         assert sum(s.row_calls for s in d.slots.values()) > 0
         assert sum(s.row_sums for s in d.slots.values()) >= 2 * model.config.num_hidden_layers
+    if switch == "ROW_GLU":
+        assert sum(s.row_glus for s in d.slots.values()) >= model.config.num_hidden_layers
 
 
 @pytest.mark.gpu

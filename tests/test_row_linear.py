@@ -71,6 +71,41 @@ def test_row_linear_writes_the_residual_sum_cpu(backend, dtype):
     tolerance.assert_close("row_linear with r", y, x.double() @ w.double().T, F.linear(x, w), dtype, 600)
 
 
+def _check_glu(backend, m, i, k, dtype, device, act, seed=0):
+    """The gated one-row kernel: the same values as the backend's row_linear followed by its GLU
+    kernel, bit for bit, and the float64 reference under the suite's rule."""
+    f, lin = forge.ops.get("row_glu", backend), forge.ops.get("row_linear", backend)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = (torch.randn(2 * i, k, generator=gen) / k ** 0.5).to(device, dtype)
+    y = f(x, w, act)
+    assert y.shape == (m, i) and y.dtype == dtype
+    g, u = lin(x, w).chunk(2, dim=-1)
+    glu = forge.ops.get("swiglu" if act == "silu" else "geglu", backend)
+    assert torch.equal(y, glu(g.contiguous(), u.contiguous()))
+    gd, ud = (x.double() @ w.double().T).chunk(2, dim=-1)
+    ref = spec.ACTS[act](gd, ud)
+    ge, ue = F.linear(x, w).chunk(2, dim=-1)
+    tolerance.assert_close(f"row_glu {act} {m}x{k} by {2 * i}x{k}", y, ref, spec.ACTS[act](ge, ue), dtype, k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", list(spec.ACTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_glu_cpu(backend, act, dtype):
+    if GPU:
+        pytest.skip("the CPU case runs the interpreters: on a CUDA machine the kernels are compiled")
+    _check_glu(backend, 2, 20, 600, dtype, "cpu", act)  # (I not a multiple of a program's 8, a K tail)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("i,k,act", [(14336, 4096, "silu"), (16384, 2048, "gelu_tanh")])  # Llama-3-8B; gemma-2b
+def test_row_glu_gpu(backend, i, k, act):
+    _check_glu(backend, 1, i, k, torch.bfloat16, "cuda", act, seed=i)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_row_linear_empty(backend, device):
     f = forge.ops.get("row_linear", backend)
@@ -147,6 +182,11 @@ def test_row_linear_errors(backend):
         f(x, w, None, torch.zeros(1, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="r must have unit stride along N"):
         f(x, w, None, torch.zeros(1, 16)[:, ::2])
+    g = forge.ops.get("row_glu", backend)
+    with pytest.raises(ValueError, match="act must be one of"):
+        g(x, w, "relu")
+    with pytest.raises(ValueError, match="the gate's rows then the up's, an even number, got 7"):
+        g(x, torch.zeros(7, 16), "silu")
 
 
 class _Spy:
@@ -192,7 +232,7 @@ def test_step_kernels_counts_the_calls_taken():
     spy = _Spy()
 
     class Slot:
-        attention, linear, row_calls, sums, row_sums = None, spy, 0, False, 0
+        attention, linear, row_calls, sums, row_sums, glu, row_glus = None, spy, 0, False, 0, None, 0
 
     lin = torch.nn.Linear(16, 8, bias=False)
     with torch.no_grad():
@@ -246,3 +286,25 @@ def test_step_mode_writes_the_residual_sums(case):
     taken = 1 if case == "alpha" else 2
     served = {"plain": 2, "swap": 2, "between": 1, "touch": 1, "alpha": 0}[case]
     assert got[1] == (taken, served, taken) and want[1] == (taken, 0, 0), (got[1], want[1])
+
+
+def test_step_mode_runs_the_gated_product_for_one_row():
+    # the mode's gated(): one row, the weights stored together (an even number of rows), the
+    # one-row conditions; else None (the MLP then runs its product and GLU kernel apart)
+    calls = []
+
+    def glu(x, w, act):
+        calls.append((tuple(x.shape), tuple(w.shape), act))
+        return spec.glu_reference(x, w, act)
+
+    w = torch.randn(12, 16)
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        mode = decode_runtime._RowProducts(_Spy(), glu=glu)
+        y = mode.gated(x, w, "silu")
+        assert y.shape == (1, 1, 6) and torch.equal(y, spec.glu_reference(x.reshape(1, 16), w, "silu").view(1, 1, 6))
+        assert mode.gated(torch.randn(2, 16), w, "silu") is None  # two rows
+        assert mode.gated(x, w[:11], "silu") is None  # an odd number of rows
+        assert decode_runtime._RowProducts(_Spy()).gated(x, w, "silu") is None  # no gated kernel
+    assert mode.gated(x.requires_grad_(), w, "silu") is None  # a gradient wanted
+    assert calls == [((1, 16), (12, 16), "silu")] and mode.glued == 1

@@ -140,7 +140,7 @@ def _ops_installed(backend: str) -> None:
 # what get() hands out: the spec's kernels, the nodes built here, and the decode attention the
 # graph runtime takes with its cache write and one-row products (a backend's other attributes are
 # its pieces, not kernels)
-KERNEL_KEYS = tuple(dict.fromkeys(KERNELS + NODES + ("decode_attention", "kv_append", "row_linear")))
+KERNEL_KEYS = tuple(dict.fromkeys(KERNELS + NODES + ("decode_attention", "kv_append", "row_linear", "row_glu")))
 
 
 def get(key: str, backend: str):

@@ -62,8 +62,13 @@ ROW_LINEAR = True
 # with ROW_LINEAR, a one-row product whose output a decoder layer adds to its residual stream next
 # (o_proj, a dense MLP's down) writes that sum in the same launch, and the addition takes it
 # (decode_runtime._RowProducts): off until a side-by-side run shows the launches it saves
-# (docs/generate.md, "Residual sums with the products"); read when a model is patched
+# (docs/generate.md, "Residual sums and the gated activation with the products"); read when a
+# model is patched
 ROW_SUMS = False
+# with ROW_LINEAR, a dense gated MLP's gate/up product over its weights stored together and its
+# activation in one launch (the backend's row_glu; forwards._stacked_glu): off until measured
+# (docs/generate.md, the same section); read when a model is patched
+ROW_GLU = False
 CACHE_NAMES = ("cache", "past_key_values")  # generate's name for it in transformers 5.24 / 5.17
 _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep",
                           "return_dict", "output_attentions", "output_hidden_states"})
@@ -233,6 +238,8 @@ class Decoder:
         self.linear = None if attention is None or not ROW_LINEAR else _kernel_or_none(
             "row_linear", attends, "decoding steps' one-row products run cuBLAS")
         self.sums = ROW_SUMS
+        self.glu = None if self.linear is None or not ROW_GLU else _kernel_or_none(
+            "row_glu", attends, "decoding steps' gate/up products and activations run apart")
         self.slots: dict[int, rt.CachedSteps] = {}  # batch size -> its cache; least recently used first
         self.armed = False  # inside a generate() call of root
         self.slot: rt.CachedSteps | None = None  # the cache handed to the generate call in flight
@@ -347,7 +354,7 @@ class Decoder:
                 self.slots.pop(next(iter(self.slots)))
             slot = rt.CachedSteps(StaticCache(config=self.root.config, max_cache_len=cap), batch, cap,
                                   self.attention, self.root.get_output_embeddings(), self.append, self.linear,
-                                  self.sums)
+                                  self.sums, self.glu)
             self.graphs.stats.decode_caches += 1
         self.slots[batch] = slot  # most recently used last
         return slot

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..spec import row_linear
 from .graphs import capture_stream, recording, watch_workspaces, workspace_epoch
-from .guard import CAPTURE
+from .guard import CAPTURE, STEP
 
 WARMUP = 2  # uncaptured steps of a signature before its capture
 
@@ -138,14 +138,20 @@ class _RowProducts(torch.overrides.TorchFunctionMode):
     that sum instead of launching its own kernel. Any other addition runs as it would. The sum is
     the one torch's addition makes, bit for bit (forge.spec.row_linear); where the guess is wrong
     (a model that normalises the product first, as gemma2 does) the extra row written is the only
-    cost."""
+    cost.
 
-    def __init__(self, kernel, sums=False):
+    With ``glu`` (a backend's ``row_glu``), :meth:`gated` runs a gated MLP's gate/up product over
+    its weights stored together and the activation in one launch (forge's MLP forward asks,
+    through ``guard.STEP``)."""
+
+    def __init__(self, kernel, sums=False, glu=None):
         super().__init__()
         self.kernel = kernel
         self.sums = sums
+        self.glu = glu
         self.taken = 0  # calls the kernel ran (tests)
         self.summed = 0  # additions served by a product's sum (tests)
+        self.glued = 0  # gate/up products the gated kernel ran (tests)
         self.streams: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> the last such row made
         self.pending = None  # (r, its version, y, its version, y + r): the last product's sum
 
@@ -181,15 +187,27 @@ class _RowProducts(torch.overrides.TorchFunctionMode):
             return s
         return None
 
-    def _one_row(self, x, w, b=None):
+    @staticmethod
+    def _fits(x, w, b=None) -> bool:
         if (type(x) is not torch.Tensor or type(w) not in _PLAIN or (b is not None and type(b) not in _PLAIN)
                 or x.dtype not in row_linear.DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.numel() != w.shape[1]
                 or x.device != w.device or not w.is_contiguous() or x.stride(-1) != 1
                 or (b is not None and (b.dtype != x.dtype or b.dim() != 1 or b.device != x.device))):
-            return None
+            return False
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+            return False
+        return not torch.is_autocast_enabled(x.device.type)
+
+    def gated(self, x, w, act):
+        """``act(x W_g^T) * (x W_u^T)`` for ``w`` the gate's rows then the up's, in one launch of
+        the gated kernel, for one row (the conditions of the one-row products); else None."""
+        if self.glu is None or w.shape[0] % 2 or not self._fits(x, w):
             return None
-        if torch.is_autocast_enabled(x.device.type):
+        self.glued += 1
+        return self.glu(x.reshape(1, -1), w, act).view(*x.shape[:-1], w.shape[0] // 2)
+
+    def _one_row(self, x, w, b=None):
+        if not self._fits(x, w, b):
             return None
         self.taken += 1
         shape = torch.Size((*x.shape[:-1], w.shape[0]))
@@ -207,16 +225,22 @@ def step_kernels(slot):
     """What a decoding step of ``slot`` (a :class:`CachedSteps`) runs under while it warms up or
     is captured: :func:`packed_gqa` with its attention kernel, and its one-row product kernel
     (``slot.linear``, or None: cuBLAS) for ``F.linear`` of one row, with the residual additions
-    after them where ``slot.sums`` (:class:`_RowProducts`)."""
+    after them where ``slot.sums`` and the gated MLPs' gate/up products with their activation
+    where ``slot.glu`` (:class:`_RowProducts`)."""
     with packed_gqa(slot.attention):
         if slot.linear is None:
             yield
             return
-        mode = _RowProducts(slot.linear, slot.sums)
-        with mode:
-            yield
+        mode = _RowProducts(slot.linear, slot.sums, slot.glu)
+        was, STEP.rows = STEP.rows, mode
+        try:
+            with mode:
+                yield
+        finally:
+            STEP.rows = was
         slot.row_calls += mode.taken
         slot.row_sums += mode.summed
+        slot.row_glus += mode.glued
 
 
 class CudaGraphs:
@@ -411,7 +435,7 @@ class CachedSteps:
     """The captured decoding steps on one static cache (one batch size, one capacity)."""
 
     def __init__(self, cache, batch: int, capacity: int, attention=None, head=None, append=None, linear=None,
-                 sums=False):
+                 sums=False, glu=None):
         from transformers.cache_utils import StaticLayer
 
         update = one_token_update if append is None else functools.partial(one_token_update, append=append)
@@ -425,6 +449,8 @@ class CachedSteps:
         self.row_calls = 0  # F.linear calls it took, in the steps warmed up or captured
         self.sums = sums  # the residual additions written by the products before them (step_kernels)
         self.row_sums = 0  # additions those served, in the same steps
+        self.glu = glu  # the gated one-row kernel (forge.spec.row_linear.glu_reference; step_kernels), or None
+        self.row_glus = 0  # gate/up products it ran, in the same steps
         self.filled = False  # the prompt is in the cache (decode.Decoder._prefill)
         self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
         # masks can be built in the graph only where every layer attends to the whole cache

@@ -29,7 +29,7 @@ from ..ops.gated_mlp import _any_autocast
 from ..spec.fused_linear_ce import check_labels
 from ..spec.rope import tables_need_grad
 from . import stacking
-from .guard import CAPTURE
+from .guard import CAPTURE, STEP
 
 
 def rmsnorm_forward(kernel, orig, eps_attr, casting, offset, threshold, ks, defer=False):
@@ -93,7 +93,7 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
         rows = x.numel() // x.shape[-1]
         fuse = rows * width >= threshold or CAPTURE.on  # activation elements: rows x intermediate width
         if stack and fuse and rows <= stacking.GLU_ROWS and not _compiling():
-            y = _stacked_glu(self, x, kernel)  # (a decoding step the guard fuses: one product less too)
+            y = _stacked_glu(self, x, kernel, act)  # (a decoding step the guard fuses: one product less too)
             if y is not None:
                 ks.fused += 1
                 return y
@@ -115,9 +115,11 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
     return forward
 
 
-def _stacked_glu(mlp, x, kernel):
+def _stacked_glu(mlp, x, kernel, act):
     """down(act(gate(x)) * up(x)) with gate and up read by one product over their weights stored
-    together, else None (not stacked, biases, a gradient wanted, autocast, hooks)."""
+    together, else None (not stacked, biases, a gradient wanted, autocast, hooks). Inside a
+    decoding step whose mode has a gated one-row kernel (``STEP.rows``; decode.ROW_GLU) that
+    product and the activation are one launch."""
     gp, up, dp = (mlp._modules[n] for n in ("gate_proj", "up_proj", "down_proj"))
     if not (_plain_linear(gp, x.dtype) and _plain_linear(up, x.dtype) and _plain_linear(dp, x.dtype)
             and _bare_calls_ok()):
@@ -125,6 +127,11 @@ def _stacked_glu(mlp, x, kernel):
     wb = stacking.weights(mlp, stacking.GATE_UP, x)
     if wb is None or wb[1] is not None:
         return None
+    rows = STEP.rows
+    if rows is not None:
+        y = rows.gated(x, wb[0], act)
+        if y is not None:
+            return F.linear(y, dp.weight)
     g, u = F.linear(x, wb[0]).split(mlp._modules["gate_proj"].weight.shape[0], dim=-1)
     return F.linear(kernel(g, u), dp.weight)
 

@@ -33,6 +33,20 @@ class _Capture:
 CAPTURE = _Capture()
 
 
+class _Step:
+    """``STEP.rows`` is the decoding step's one-row product mode (decode_runtime._RowProducts)
+    while a batch-1 step warms up or is captured under it, else None: forge's gated MLP forward
+    asks it for the gate/up product with the activation in one launch."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows = None
+
+
+STEP = _Step()
+
+
 class KeyStats:
     """Counters for one kernel key; the replaced forwards bump these attributes directly."""
 

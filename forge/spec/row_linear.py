@@ -19,14 +19,24 @@ With ``r`` (M, N) of x's dtype, unit stride along N (a residual stream's row), t
 also writes the sum a decoder layer makes next: returns ``(y, s)`` with ``s = y + r`` rounded as
 torch rounds that addition (y first to x's dtype, then the sum in fp32, then to x's dtype), so
 ``s`` equals ``y + r`` computed after the product, bit for bit.
+
+``glu_reference(x, w, act)``: a gated MLP's first half at one row, for weights stored together
+(``w`` (2I, K): the gate's I rows, then the up's): ``act(g) * u`` with ``g`` and ``u`` the two
+products, each rounded to x's dtype as the product above writes them, then ``act(g)`` rounded to
+it and the product with ``u`` rounded (torch's eager order, which the GLU kernels keep:
+forge.spec.swiglu, forge.spec.geglu): what the product followed by the GLU kernel gives, in one
+launch. Returns (M, I).
 """
 from __future__ import annotations
 
 import torch
 
 from . import _check
+from . import geglu as _geglu
+from . import swiglu as _swiglu
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACTS = {"silu": _swiglu.reference, "gelu_tanh": _geglu.reference}  # the gated activations of glu_reference
 
 
 def check(x, w, b=None, r=None) -> None:
@@ -65,3 +75,17 @@ def reference(x, w, b=None, r=None):
         y = y + b.float()
     y = y.to(x.dtype)
     return y if r is None else (y, (y.float() + r.float()).to(x.dtype))
+
+
+def check_glu(x, w, act) -> None:
+    check(x, w)
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {tuple(ACTS)}, got {act!r}")
+    if w.shape[0] % 2:
+        raise ValueError(f"w must hold the gate's rows then the up's, an even number, got {w.shape[0]}")
+
+
+def glu_reference(x, w, act):
+    check_glu(x, w, act)
+    g, u = reference(x, w).chunk(2, dim=-1)
+    return ACTS[act](g, u)  # (torch's eager rounding: act(g) to the dtype, then the product)
