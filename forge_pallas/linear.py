@@ -48,15 +48,20 @@ def _row_linear_kernel(x_ref, w_ref, b_ref, r_ref, y_ref, *s_ref, n, k, has_bias
 _launch = C.triton_call
 
 
+def settings(n: int, k: int) -> tuple[int, int]:
+    """(block_k, warps) for an (N, K) weight, as the Triton twin's ``settings``."""
+    return min(MAX_BLOCK_K, max(16, C.next_power_of_2(k))), 4 if n >= WIDE else 8
+
+
 def row_linear_fwd(x, w, b, r, *, has_bias, has_res):
     """x (M, K), w (N, K), b (N,), r (M, N) (placeholders without bias or residual) -> ((y (M, N),
     and s = y + r (M, N) with a residual), ()); K >= 1."""
     m, k = x.shape
     n = w.shape[0]
-    block_k = min(MAX_BLOCK_K, max(16, C.next_power_of_2(k)))
+    block_k, warps = settings(n, k)
     kern = functools.partial(_row_linear_kernel, n=n, k=k, has_bias=has_bias, block_n=BLOCK_N, block_k=block_k)
     out = jax.ShapeDtypeStruct((m, n), x.dtype)
-    outs = _launch(kern, name="row_linear", grid=(C.cdiv(n, BLOCK_N), m), num_warps=4 if n >= WIDE else 8,
+    outs = _launch(kern, name="row_linear", grid=(C.cdiv(n, BLOCK_N), m), num_warps=warps,
                    out_shape=(out, out) if has_res else (out,))(x, w, b, r)
     return tuple(outs), ()
 
@@ -92,8 +97,8 @@ def row_glu_fwd(x, w, *, kind):
     kind "swiglu" or "geglu"; K >= 1."""
     m, k = x.shape
     i = w.shape[0] // 2
-    block_k = min(MAX_BLOCK_K, max(16, C.next_power_of_2(k)))
+    block_k, warps = settings(2 * i, k)
     kern = functools.partial(_row_glu_kernel, i=i, k=k, kind=kind, block_n=BLOCK_N, block_k=block_k)
-    y = _launch(kern, name="row_glu", grid=(C.cdiv(i, BLOCK_N), m), num_warps=4 if 2 * i >= WIDE else 8,
+    y = _launch(kern, name="row_glu", grid=(C.cdiv(i, BLOCK_N), m), num_warps=warps,
                 out_shape=jax.ShapeDtypeStruct((m, i), x.dtype))(x, w)
     return (y,), ()
