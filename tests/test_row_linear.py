@@ -159,6 +159,32 @@ def test_row_linear_float32_under_autocast(backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@ON_CPU_AND_GPU
+def test_row_sum_and_glu_float32_under_autocast(backend, device):
+    # the residual sum and the gated launch with float32 operands under autocast(bf16): float32
+    # outputs, the same as without autocast (nothing rounded to bf16), and the float32 rule
+    skip_interpreters_on_gpu(device)
+    i, k = (14336, 4096) if device == "cuda" else (20, 600)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k, generator=gen).to(device)
+    w = (torch.randn(2 * i, k, generator=gen) / k ** 0.5).to(device)
+    r = torch.randn(1, 2 * i, generator=gen).to(device)
+    f, g = forge.ops.get("row_linear", backend), forge.ops.get("row_glu", backend)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        y, s = f(x, w, None, r)
+        z = g(x, w, "silu")
+    assert y.dtype == s.dtype == z.dtype == torch.float32
+    y0, s0 = f(x, w, None, r)
+    assert torch.equal(y, y0) and torch.equal(s, s0) and torch.equal(z, g(x, w, "silu"))
+    tolerance.assert_close("row_linear with r under autocast", y, x.double() @ w.double().T, F.linear(x, w),
+                           torch.float32, k)
+    gd, ud = (x.double() @ w.double().T).chunk(2, dim=-1)
+    ge, ue = F.linear(x, w).chunk(2, dim=-1)
+    tolerance.assert_close("row_glu under autocast", z, spec.ACTS["silu"](gd, ud), spec.ACTS["silu"](ge, ue),
+                           torch.float32, k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_row_linear_errors(backend):
     f = forge.ops.get("row_linear", backend)
     x, w = torch.zeros(1, 16), torch.zeros(8, 16)
