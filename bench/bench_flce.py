@@ -173,8 +173,13 @@ def main():
         args.cases, args.impls, args.iters, args.warmup, args.repeats = "tiny", "eager,triton,pallas", 1, 1, 1
     if args.one:
         print("ROW " + json.dumps(run_one(*args.one, args.iters, args.warmup, args.profile,
-                                           args.tile_vocab)))
-        return
+                                           args.tile_vocab)), flush=True)
+        # The row is complete and flushed; leave without the interpreter's teardown. With torch
+        # and jax in one process a runtime's thread pool can abort while static objects are
+        # destroyed ("terminate called without an active exception": seen once on the H200 and
+        # once in CPU CI, in neither case reproducible), which is no part of what was measured.
+        sys.stderr.flush()
+        os._exit(0)
     rows = []
     # keep the caller's PYTHONPATH (a carried Liger-Kernel wheel lives there)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
