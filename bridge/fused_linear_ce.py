@@ -79,7 +79,8 @@ def _rows_native(tensors, static, rows, need_h, need_w, need_b):
     eps, z_loss, softcap = static["label_smoothing"], static["z_loss"], static["softcap"]
     valid = labels != static["ignore_index"]
     div = div.to(acc)
-    w_rows = torch.where(valid & (div != 0), 1.0 / div, torch.zeros((), dtype=acc, device=div.device))  # (N,)
+    # 1 / div on valid rows (inf for a divisor of 0, as eager's sum / 0), 0 on ignored ones
+    w_rows = torch.where(valid, 1.0 / div, torch.zeros((), dtype=acc, device=div.device))  # (N,)
     loss_rows = torch.empty(n, dtype=acc, device=hidden.device)
     coefs = dict(one_minus_eps=1.0 - eps, eps_over_v=eps / v, two_z_loss=2.0 * z_loss)
     dtype = str(hidden.dtype).removeprefix("torch.")

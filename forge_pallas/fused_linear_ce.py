@@ -249,8 +249,9 @@ def row_loss(lse, t, sz, *, eps, v, z_loss):
 
 
 def _row_weights(valid, div, acc):
-    """(N,) each row's weight in the mean: valid / divisor (0 when the divisor is 0)."""
-    return jnp.where(valid, jnp.where(div == 0, 0, 1 / div), 0).astype(acc)
+    """(N,) each row's weight in the mean: 1 / divisor where valid (inf for a divisor of 0, as
+    eager's sum / 0 with num_items_in_batch=0), 0 where ignored (by selection: no 0 * inf)."""
+    return jnp.where(valid, 1 / div, 0).astype(acc)
 
 
 def _over_tiles(v, vc, step, carry):

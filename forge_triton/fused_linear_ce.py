@@ -226,6 +226,13 @@ def _setup(hidden, weight, labels, bias, width, *, ignore_index, softcap, label_
     return labels.contiguous(), bufs, common, flags, bias_arg
 
 
+def _row_scale(div, acc_t):
+    """A valid row's weight in the loss, 1 / divisor, as a () tensor on the device: inf for a
+    divisor of 0 (the grad kernel gives ignored rows 0 by selection, not by product), so
+    num_items_in_batch=0 with valid labels gives eager's non-finite gradients, not zeros."""
+    return (1.0 / div).to(acc_t)
+
+
 def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, label_smoothing,
                  z_loss, need_h, need_w, need_b, tile_vocab=None, chunk_rows=None):
     """Loss and (unscaled) gradients. Returns (loss, grad_h fp32 | None, grad_W | None, grad_b | None).
@@ -262,7 +269,7 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
     gh = gw = gb = None
     if not need_grad:
         return loss, gh, gw, gb
-    scale = torch.where(div == 0, torch.zeros_like(div), 1.0 / div).to(acc_t)  # () on the device
+    scale = _row_scale(div, acc_t)
     if need_h:
         gh = torch.zeros((n, hidden.shape[1]), dtype=acc_t, device=dev)  # (N, H) accumulator
     if need_w:
@@ -309,7 +316,7 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
     eps = float(label_smoothing)
     need_grad = need_h or need_w or need_b
     if need_grad:
-        scale = torch.where(div == 0, torch.zeros_like(div), 1.0 / div).to(acc_t)  # () on the device
+        scale = _row_scale(div, acc_t)
 
     def kernels(r0, r1, z):
         y_c, lse_c = labels[r0:r1], m_buf[r0:r1]

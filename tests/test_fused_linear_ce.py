@@ -214,6 +214,26 @@ def test_no_grad_and_zero_items(backend, device):
 
 
 @pytest.mark.parametrize("backend", VARIANTS)
+def test_zero_items_with_valid_labels_backward(backend, device):
+    # num_items_in_batch=0 over valid labels: eager's sum / 0 is inf and its gradients are not
+    # finite (NaN or inf) on every valid row and every vocabulary row, while ignored rows of
+    # grad_h stay exactly 0; a step that silently got zero gradients would skip the update
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
+    assert (labels == -100).any() and (labels != -100).any()
+    got = {k: tensors[k].clone().requires_grad_() for k in ("hidden", "weight")}
+    ref = {k: tensors[k].clone().requires_grad_() for k in ("hidden", "weight")}
+    loss = _kernel(backend)(got["hidden"], got["weight"], labels, num_items_in_batch=0)
+    want = spec.reference(ref["hidden"], ref["weight"], labels, num_items_in_batch=0)
+    assert torch.isinf(loss) and torch.isinf(want)
+    loss.backward()
+    want.backward()
+    for k in got:
+        assert torch.equal(got[k].grad.isfinite(), ref[k].grad.isfinite()), k
+    assert not ref["weight"].grad.isfinite().any()
+    assert torch.equal(got["hidden"].grad[labels == -100], torch.zeros_like(got["hidden"].grad[labels == -100]))
+
+
+@pytest.mark.parametrize("backend", VARIANTS)
 def test_no_rows(backend, device):
     # an empty batch behaves like torch's cross_entropy on (0, V) logits: NaN mean, zero grads
     tensors, _ = _inputs(0, 32, 1000, torch.float32, device)
