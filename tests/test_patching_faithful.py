@@ -24,6 +24,7 @@ import copy  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import forge  # noqa: E402
@@ -328,6 +329,87 @@ def test_patched_model_label_dtype_error_before_the_decoder(backend):
         with pytest.raises(forge.LabelDtypeError, match=str(dtype)):
             model(ids, labels=ids, shift_labels=ids.to(dtype))
     assert not calls, "the decoder ran before the labels were refused"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4b. the head and the loss as they are at call time: the fused loss calls neither lm_head nor
+# the model's loss function, so a change that arrives after patching sends the call to HF
+
+
+def _smoothed_loss(logits, labels, vocab_size, **_):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size).float(), labels[:, 1:].reshape(-1),
+                           label_smoothing=0.5)
+
+
+def _lm_head_lora(model):
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, cfg)
+
+
+CHANGES = {
+    "loss_function": lambda m: setattr(m, "loss_function", _smoothed_loss),
+    "forward hook": lambda m: m.lm_head.register_forward_hook(lambda mod, i, out: out * 0.5),
+    "forward pre-hook": lambda m: m.lm_head.register_forward_pre_hook(lambda mod, i: (i[0] * 2.0,)),
+    "global forward hook": lambda m: nn.modules.module.register_module_forward_hook(
+        lambda mod, i, out: out * 0.5 if mod is m.lm_head else None),
+    "lm_head LoRA": _lm_head_lora,
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_fused_loss_steps_aside_for_a_head_or_loss_set_after_patching(change):
+    need_backend(CPU_BACKEND)
+    model = build_model("qwen2", tie_word_embeddings=False)
+    ids = ids_for(model)
+    forge.patch(model, backend=CPU_BACKEND, kernels=["fused_linear_ce"])
+    plain = model(ids, labels=ids).loss.detach()
+    stats = model._forge_guard_stats
+    assert stats.as_dict()["fused_linear_ce"] == {"fused": 1, "fallback": 0}
+    handle = CHANGES[change](model)
+    caller = handle if change == "lm_head LoRA" else model
+    try:
+        got = caller(ids, labels=ids).loss
+        got.backward()
+        assert stats.as_dict()["fused_linear_ce"] == {"fused": 1, "fallback": 1}
+        forge.unpatch(model)
+        want = caller(ids, labels=ids).loss
+        assert abs(float(want.detach()) - float(plain)) > 1e-3  # the change changes the loss...
+        assert torch.equal(got.detach(), want.detach())  # ...and the patched call has it
+        if change == "lm_head LoRA":  # the head's adapter trains
+            assert model.lm_head.lora_B["default"].weight.grad.abs().sum() > 0
+    finally:
+        if hasattr(handle, "remove"):
+            handle.remove()
+
+
+def test_fused_loss_resumes_once_a_hook_is_removed():
+    need_backend(CPU_BACKEND)
+    model = build_model("qwen2")
+    ids = ids_for(model)
+    forge.patch(model, backend=CPU_BACKEND, kernels=["fused_linear_ce"])
+    handle = model.lm_head.register_forward_hook(lambda mod, i, out: None)
+    model(ids, labels=ids)
+    handle.remove()
+    model(ids, labels=ids)
+    assert model._forge_guard_stats.as_dict()["fused_linear_ce"] == {"fused": 1, "fallback": 1}
+
+
+def test_patch_declines_the_fused_loss_for_a_head_with_its_own_forward():
+    need_backend(CPU_BACKEND)
+
+    class ScaledHead(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    model = build_model("qwen2", tie_word_embeddings=False)
+    head = ScaledHead(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    head.weight = model.lm_head.weight
+    model.lm_head = head
+    forge.patch(model, backend=CPU_BACKEND, kernels=["fused_linear_ce"])
+    assert "lm_head is a ScaledHead with its own forward" in str(forge.report(model))
 
 
 # ---------------------------------------------------------------------------------------------

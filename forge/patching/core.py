@@ -433,13 +433,12 @@ def _apply_fused_ce(root, arch, p):
         p.skip(key, f"{type(root).__name__} has no nn.Linear lm_head over a decoder (not a *ForCausalLM)",
                applies=False)
         return
-    why = None
-    if "_loss_function" in root.__dict__ or getattr(root, "loss_type", None) not in (None, "ForCausalLM"):
-        why = "the model has a custom loss function"
-    elif "forward" in root.__dict__ or not _hf_forward(type(root)):
+    if "forward" in root.__dict__ or not _hf_forward(type(root)):
         why = f"{type(root).__name__}.forward is not transformers' own"
     elif "labels" not in inspect.signature(fw.innermost(type(root).forward)).parameters:
         why = f"{type(root).__name__}.forward takes no labels"
+    else:  # (checked again on every call: fw.fused_ce_forward)
+        why = fw.head_declines(root)
     if why:
         p.skip(key, why)
         return

@@ -66,6 +66,24 @@ def _plain_linear(m, dtype) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks))
 
 
+def head_declines(model) -> str | None:
+    """Why the fused loss cannot stand in for ``model.lm_head`` followed by the model's loss on
+    a call (None when it can). Checked at patch time and again on every training call, since a
+    peft adapter on lm_head (a later ``add_adapter``, or ``get_peft_model`` over a patched
+    model), a hook, an accelerate wrapper or a loss function may arrive after patching; the
+    fused path calls neither the head module nor the loss function, so any of them would be
+    silently skipped."""
+    lm = getattr(model, "lm_head", None)
+    if type(lm) is not nn.Linear or "forward" in lm.__dict__:
+        return f"lm_head is a {type(lm).__name__}{' with its own forward' * isinstance(lm, nn.Linear)}"
+    if (lm._forward_hooks or lm._forward_pre_hooks or lm._backward_hooks or lm._backward_pre_hooks
+            or _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks):
+        return "lm_head has module hooks (the fused loss never calls it)"
+    if "_loss_function" in model.__dict__ or getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+        return "the model has a custom loss function"
+    return None
+
+
 def _bare_calls_ok() -> bool:
     """Whether the projections may run as bare F.linear calls instead of module calls: no
     autocast (a module call would cast) and no global module hooks (they would not run)."""
@@ -416,7 +434,8 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         plain = type(w) is nn.Parameter or type(w) is torch.Tensor
         router = a.get("output_router_logits")  # MoE: the auxiliary loss needs eager's forward
         router = getattr(self.config, "output_router_logits", False) if router is None else router
-        if labels is None or not (isinstance(keep, int) and keep == 0) or not plain or router:
+        if (labels is None or not (isinstance(keep, int) and keep == 0) or not plain or router
+                or head_declines(self) is not None):
             if not _compiling():
                 ks.fallback += 1
             return inner(self, *args, **kwargs)
