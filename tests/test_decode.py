@@ -25,6 +25,7 @@ import inspect  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 import forge  # noqa: E402
 from forge.__main__ import build_model  # noqa: E402
@@ -610,6 +611,44 @@ def test_steps_captured_before_a_cublas_workspace_clear_are_captured_again(fake_
         model.generate(ids, **kw)  # no clear since: replayed, not captured again
     assert st.decode_captures == 2, st
     assert torch.equal(first, want) and torch.equal(again, want)
+
+
+AGAIN = "generate: decoding steps captured again (the model's weights moved"
+
+
+@pytest.mark.parametrize("change", ["inference mode", "cast", "replaced head", "none"])
+def test_a_cache_is_made_again_when_its_weights_or_mode_change(fake_graphs, change):
+    # the captured steps read the weights where they were at capture: after a cast (or a move,
+    # or a replaced module) the cache and its steps are dropped and made again; a cache made
+    # under torch.inference_mode holds inference tensors, which a call outside it cannot reset
+    model = _model("qwen2", tie_word_embeddings=False)
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    st, d = model._forge_graphs.stats, model._forge_graphs.decode
+    ids, mask = _prompt(model, 2, 5, "cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.inference_mode() if change == "inference mode" else torch.no_grad():
+        first = model.generate(ids, **kw)
+    assert torch.equal(first, eager_model.generate(ids, **kw))
+    old = d.slots[2]
+    if change == "cast":
+        for m in (model, eager_model):
+            m.to(torch.float64)
+    elif change == "replaced head":
+        head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+        with torch.no_grad():
+            head.weight.normal_()
+        model.lm_head, eager_model.lm_head = head, copy.deepcopy(head)
+    with torch.no_grad():
+        got = model.generate(ids, **kw)
+        want = eager_model.generate(ids, **kw)
+    assert torch.equal(got, want), change
+    again = change != "none"
+    assert (d.slots[2] is not old) is again and st.decode_caches == 1 + again, st
+    assert any(k.startswith(AGAIN) for k in st.why) is again, st.why
+    with torch.no_grad():
+        model.generate(ids, **kw)  # nothing changed since: the same cache, its steps replayed
+    assert st.decode_caches == 1 + again, st
 
 
 def test_logits_outside_pool_equal_the_heads_and_restore_it(monkeypatch):

@@ -32,6 +32,7 @@ straight into the static cache (``Decoder._prefill``).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import types
 import weakref
@@ -221,6 +222,12 @@ def _prefill_cache(base):
     return PrefillIntoStatic
 
 
+def _same_made(a, b) -> bool:
+    """Two ``Decoder._made()`` states alike: the same mode and the same tensors at the same addresses."""
+    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
+        x is y and p == q for (x, p), (y, q) in zip(a[1], b[1]))
+
+
 class Decoder:
     """Per patched model: its static caches with their captured steps, and the generate call in
     flight."""
@@ -279,6 +286,8 @@ class Decoder:
             with rt.BACKEND.serve(model.device):  # (on the capture stream: see CudaGraphs.serve)
                 return type(model).generate(model, *args, **kwargs)
         finally:
+            if self.slot is not None:  # (after the call: what forge itself set up in it counts)
+                self.slot.made = self._made()
             self.armed, self.slot, self.cache_name, self.pending = False, None, None, None
 
     def offer(self, model, cfg, model_kwargs, mode, batch_size, max_cache_length, given):
@@ -342,9 +351,22 @@ class Decoder:
                 return True
         return False
 
+    def _made(self):
+        """What a cache and its captured steps depend on besides shapes: every parameter and
+        buffer of the model at its address (the graphs read them there; ``model.to(...)``, a
+        cast or a replaced module moves them), and whether inference mode is on (tensors made
+        under ``torch.inference_mode`` cannot be updated in place outside it)."""
+        return (torch.is_inference_mode_enabled(),
+                [(t, t.data_ptr()) for t in itertools.chain(self.root.parameters(), self.root.buffers())])
+
     def _slot(self, batch, needed):
         from transformers import StaticCache
 
+        made = self._made()
+        for b in [b for b, s in self.slots.items() if not _same_made(s.made, made)]:
+            del self.slots[b]  # a cache whose steps read weights no longer there: dropped, freed
+            self.graphs.stats.count("generate: decoding steps captured again (the model's weights moved, were cast "
+                                    "or replaced, or inference mode changed, since their capture)")
         cap = -(-needed // BUCKET) * BUCKET
         slot = self.slots.pop(batch, None)
         if slot is not None and not needed <= slot.capacity <= 2 * cap:
@@ -355,6 +377,7 @@ class Decoder:
             slot = rt.CachedSteps(StaticCache(config=self.root.config, max_cache_len=cap), batch, cap,
                                   self.attention, self.root.get_output_embeddings(), self.append, self.linear,
                                   self.sums, self.glu)
+            slot.made = made
             self.graphs.stats.decode_caches += 1
         self.slots[batch] = slot  # most recently used last
         return slot

@@ -452,6 +452,7 @@ class CachedSteps:
         self.glu = glu  # the gated one-row kernel (forge.spec.row_linear.glu_reference; step_kernels), or None
         self.row_glus = 0  # gate/up products it ran, in the same steps
         self.filled = False  # the prompt is in the cache (decode.Decoder._prefill)
+        self.made = None  # the weights and mode it was made and last used under (decode.Decoder._made)
         self.sliding = [ly for ly in cache.layers if hasattr(ly, "cumulative_length_int")]
         # masks can be built in the graph only where every layer attends to the whole cache
         self.buildable = all(type(ly) is StaticLayer for ly in cache.layers)
