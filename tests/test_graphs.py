@@ -359,6 +359,21 @@ def test_replayed_steps_match_uncaptured(model_type, recompute_mlp, backend, mat
 
 
 @pytest.mark.gpu
+def test_forward_sets_in_and_out_of_inference_mode(math_sdpa):
+    # a set captured under torch.inference_mode holds inference tensors, which a pass outside it
+    # could not copy its input into: each mode captures its own set
+    plain, graphed = _twins("qwen2")
+    ids, _ = _ids(plain, 2, 128, "cuda")
+    for ctx in (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad):
+        for _ in range(3):  # uncaptured, captured, replayed (then replayed thrice)
+            with ctx():
+                got, want = (m(ids, use_cache=False).logits for m in (graphed, plain))
+            assert torch.equal(got, want), ctx.__name__
+    st = graphed._forge_graphs.stats
+    assert st.captures == 2 and st.replayed == 2 * 2 + 2 * 3, st  # (a capturing call replays too)
+
+
+@pytest.mark.gpu
 def test_device_bound_passes_run_uncaptured(monkeypatch, math_sdpa):
     """A pass at or above graphs.DEVICE_BOUND_ELEMENTS hidden-state elements is never captured
     (no graphs, no pool held) and steps exactly as plain forge.patch; a smaller one still is."""

@@ -577,8 +577,10 @@ class Graphs:
         if kind in self.failed:
             return self.failed[kind]
         cos, sin = pe
+        # (inference mode: a set captured under it holds inference tensors, which a pass outside
+        # it could not copy its input into)
         key = (*kind, layer.training, tuple(x.shape), x.dtype, x.device, x_grad, tuple(cos.shape),
-               cos.dtype, tuple(sin.shape), sin.dtype)
+               cos.dtype, tuple(sin.shape), sin.dtype, torch.is_inference_mode_enabled())
         s = self.sets.get(key)
         if s is not None and not s.unchanged():
             del self.sets[key]  # parameters replaced, moved or (un)frozen, or cuBLAS workspaces
