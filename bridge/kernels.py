@@ -62,6 +62,16 @@ def _tsig(*ts) -> tuple:
         return tuple([(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in ts])
 
 
+def _strides(*ts) -> tuple | None:
+    """The strides of the tensor arguments whose spec check depends on their layout (contiguity,
+    a unit stride), as part of the call signature: a later call of the same shapes but another
+    layout is checked too. None for a non-tensor (the signature's type already makes it new)."""
+    try:
+        return tuple([t.stride() for t in ts])
+    except AttributeError:
+        return None
+
+
 _WANT = "cpu" if runtime.interpret() else "cuda"  # where the kernels take tensors (fixed per process)
 
 
@@ -202,7 +212,7 @@ def kv_append(keys, values, k, v, n):
     """Pallas cache write with the signature of ``forge.spec.kv_append.reference``: in place,
     through outputs aliasing keys, values and n's words (launched natively on the GPU, the same
     buffers; the interpreter's outputs are copied back)."""
-    sig = ("kv_append", _tsig(keys, values, k, v, n))
+    sig = ("kv_append", _tsig(keys, values, k, v, n), _strides(keys, values))
     checked(sig, _check_kv_append, keys, values, k, v, n)
     b, h, c, d = keys.shape
     words = kv_append_spec.counter_words(n)
@@ -224,7 +234,8 @@ def _check_row_linear(x, w, b, r):
 
 def row_linear(x, w, b=None, r=None):
     """Pallas product with the signature of ``forge.spec.row_linear.reference``."""
-    sig = ("row_linear", _tsig(x, w), None if b is None else _tsig(b), None if r is None else _tsig(r))
+    sig = ("row_linear", _tsig(x, w), _strides(x, w), None if b is None else _tsig(b),
+           None if r is None else (_tsig(r), _strides(r)))
     checked(sig, _check_row_linear, x, w, b, r)
     if not (x.shape[0] and w.shape[0] and x.shape[1]):
         return row_linear_spec.reference(x, w, b, r)
@@ -242,7 +253,7 @@ def _check_row_glu(x, w, act):
 def row_glu(x, w, act):
     """Pallas product and gated activation with the signature of
     ``forge.spec.row_linear.glu_reference``."""
-    sig = ("row_glu", _tsig(x, w), act)
+    sig = ("row_glu", _tsig(x, w), _strides(x, w), act)
     checked(sig, _check_row_glu, x, w, act)
     if not (x.shape[0] and w.shape[0] and x.shape[1]):
         return row_linear_spec.glu_reference(x, w, act)

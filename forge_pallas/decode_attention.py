@@ -135,7 +135,7 @@ def _append_kernel(k_ref, v_ref, keys_in, values_in, cnt_in, keys_ref, values_re
     pos = cnt_ref[0]
     r = pl.program_id(0)
     cols = jnp.arange(block_d)
-    ok = (cols < d) & (r < rows) & (pos < c)
+    ok = (cols < d) & (r < rows) & (pos >= 0) & (pos < c)  # (outside the cache nothing is written)
     at = (r * C.i32(c) + pos, C.ds(0, block_d))
     C.store(keys_ref.at[at], C.load(k_ref.at[r, C.ds(0, block_d)], mask=ok, other=0), mask=ok)
     C.store(values_ref.at[at], C.load(v_ref.at[r, C.ds(0, block_d)], mask=ok, other=0), mask=ok)

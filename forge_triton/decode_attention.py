@@ -192,7 +192,7 @@ def _kv_append_kernel(keys_ptr, values_ptr, k_ptr, v_ptr, cnt_ptr, ROWS, H, C, D
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     b, h = r // H, r % H
-    live = tl.where(pos < C, ROWS, 0)  # (past the capacity no row is written)
+    live = tl.where((pos >= 0) & (pos < C), ROWS, 0)  # (outside the cache no row is written)
     ok = (r < live)[:, None] & (d < D)[None, :]
     at = (r * C + pos)[:, None] * D + d[None, :]
     kt = tl.load(k_ptr + (b * skb + h * skh)[:, None] + d[None, :], mask=ok)

@@ -222,7 +222,8 @@ def _setup(hidden, weight, labels, bias, width, *, ignore_index, softcap, label_
                   eps_over_v=eps / v)
     flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, ACC=_common.acc(dt),
                  BLOCK=min(_BLOCK, triton.next_power_of_2(max(width, 16))))
-    bias_arg = bias if bias is not None else bufs[0]  # never read without HAS_BIAS
+    # (the kernels index the bias as contiguous; bufs[0] is never read without HAS_BIAS)
+    bias_arg = bias.contiguous() if bias is not None else bufs[0]
     return labels.contiguous(), bufs, common, flags, bias_arg
 
 

@@ -101,7 +101,7 @@ def row_linear(x, w, b=None, r=None):
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     s = y if r is None else torch.empty_like(y)
     block_k, warps = settings(n, k)
-    _kernel[(_common.cdiv(n, BLOCK_N), m)](x, w, w if b is None else b, y, y if r is None else r, s, n, k,
+    _kernel[(_common.cdiv(n, BLOCK_N), m)](x, w, w if b is None else b.contiguous(), y, y if r is None else r, s, n, k,
                                           x.stride(0), y.stride(0), 0 if r is None else r.stride(0),
                                           HAS_BIAS=b is not None, HAS_RES=r is not None, BLOCK_N=BLOCK_N,
                                           BLOCK_K=block_k, num_warps=warps)

@@ -175,7 +175,8 @@ def rope(q, k, cos, sin, unsqueeze_dim: int = 1):
 
 def _hot(q, k, cos, sin, unsqueeze_dim) -> bool:
     """What spec.check accepts, in the layout HF passes (unsqueeze_dim 1, cos (B|1, S, D))."""
-    if unsqueeze_dim != 1 or not _common.hot_tensors(q, k, cos, sin) or q.dtype is not k.dtype:
+    if (unsqueeze_dim != 1 or not _common.hot_tensors(q, k, cos, sin) or q.dtype is not k.dtype
+            or cos.dtype is not sin.dtype):
         return False
     if spec.tables_need_grad(cos, sin):  # the spec's check refuses it
         return False

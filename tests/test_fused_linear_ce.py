@@ -234,6 +234,33 @@ def test_zero_items_with_valid_labels_backward(backend, device):
 
 
 @pytest.mark.parametrize("backend", VARIANTS)
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_bias_of_any_strides(backend, layout, device):
+    # a (V,) bias that is a strided slice or a broadcast scalar of a leaf: the loss and the
+    # gradients of the tensor it is
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
+    v = CPU_SHAPE[2]
+    leaf = torch.randn(2 * v if layout == "strided" else 1, device=device) * 0.5
+
+    def run(fn, dtype):
+        x = {k: t.detach().to(dtype).requires_grad_() for k, t in (*tensors.items(), ("bias", leaf))}
+        b = x["bias"][::2] if layout == "strided" else x["bias"].expand(v)
+        assert not b.is_contiguous()
+        loss = fn(x["hidden"], x["weight"], labels, b)
+        loss.backward()
+        return loss, {k: t.grad for k, t in x.items()}
+
+    loss, grads = run(_kernel(backend), torch.float32)
+    want, want_g = run(spec.reference, torch.float64)
+    eager, eager_g = run(spec.reference, torch.float32)
+    tolerance.assert_close("loss", loss, want, eager, torch.float32, v)
+    # (a broadcast bias's gradient is a sum over the vocabulary of dL/dz, 0 up to rounding: no
+    # relative error to take)
+    for k in grads.keys() - ({"bias"} if layout == "expanded" else set()):
+        tolerance.assert_close(f"grad {k}", grads[k], want_g[k], eager_g[k], torch.float32, v)
+
+
+@pytest.mark.parametrize("backend", VARIANTS)
 def test_no_rows(backend, device):
     # an empty batch behaves like torch's cross_entropy on (0, V) logits: NaN mean, zero grads
     tensors, _ = _inputs(0, 32, 1000, torch.float32, device)

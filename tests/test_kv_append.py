@@ -120,6 +120,30 @@ def test_pallas_plan_writes_the_callers_buffers():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_append_negative_position_writes_nothing(backend):
+    # outside the contract (n in [0, 2**31)), but no write outside the cache: three caches side
+    # by side in one storage, the middle one written at position -1
+    f = forge.ops.get("kv_append", backend)
+    b, h, c, d = 2, 2, 5, 16
+    store = torch.zeros(4, b, h, c, d)
+    k, v = torch.ones(b, h, 1, d), torch.full((b, h, 1, d), 2.0)
+    assert f(store[1], store[2], k, v, torch.tensor(-1)) is None
+    assert torch.equal(store, torch.zeros_like(store))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_append_layout_checked_on_every_signature(backend):
+    # an accepted call, then one of the same shapes over a non-contiguous cache: refused as well
+    f = forge.ops.get("kv_append", backend)
+    b, h, c, d = 1, 2, 4, 16
+    k = torch.ones(b, h, 1, d)
+    f(torch.zeros(b, h, c, d), torch.zeros(b, h, c, d), k, k, torch.tensor(0))
+    wide = torch.zeros(b, h, 2 * c, d)
+    with pytest.raises(ValueError, match="contiguous"):
+        f(wide[:, :, :c], wide[:, :, c:], k, k, torch.tensor(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_kv_append_errors(backend):
     f = forge.ops.get("kv_append", backend)
     keys, values = torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16)

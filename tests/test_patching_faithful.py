@@ -416,6 +416,15 @@ def test_patch_declines_the_fused_loss_for_a_head_with_its_own_forward():
 # 5. arguments: forge.ops.get, forge.patch, forge.report
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_refuses_cos_and_sin_of_two_dtypes(backend):
+    # the kernels read both tables as one dtype; torch's formula would promote instead
+    need_backend(backend)
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match="cos is torch.float32 but sin is torch.bfloat16"):
+        ops.get("rope", backend)(q, q, torch.randn(1, 3, 8), torch.randn(1, 3, 8).bfloat16())
+
+
 def test_ops_get_checks_its_arguments():
     for bad in ("importlib", "availability", "functools", "mlp_act", "rope "):
         with pytest.raises(ValueError, match=r"unknown kernel key .*valid keys.*'rmsnorm'.*'gated_mlp'"):

@@ -107,6 +107,34 @@ def test_row_glu_gpu(backend, i, k, act):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_row_linear_bias_of_any_strides(backend, layout, device):
+    # a (N,) bias that is a strided slice or a broadcast scalar: read as the tensor it is
+    f = forge.ops.get("row_linear", backend)
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 24, generator=gen).to(device), torch.randn(20, 24, generator=gen).to(device)
+    b = torch.randn(40, generator=gen).to(device)[::2] if layout == "strided" else \
+        torch.randn(1, generator=gen).to(device).expand(20)
+    assert not b.is_contiguous()
+    y = f(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    tolerance.assert_close(f"row_linear, {layout} bias", y, ref, F.linear(x, w, b), torch.float32, 24)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_linear_layout_checked_on_every_signature(backend):
+    # a call of the same shapes and dtypes as an accepted one, but a layout the spec refuses, is
+    # refused too (a backend that checks each signature once keys it on the strides as well)
+    f = forge.ops.get("row_linear", backend)
+    x, w = torch.randn(1, 16), torch.randn(8, 16)
+    f(x, w)
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        f(x, torch.randn(16, 8).T)
+    with pytest.raises(ValueError, match="unit stride along K"):
+        f(torch.randn(16, 2).T[:1], w)  # (1, 16) at strides (1, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_row_linear_empty(backend, device):
     f = forge.ops.get("row_linear", backend)
     w = torch.randn(5, 8, device=device)

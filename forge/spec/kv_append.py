@@ -16,7 +16,9 @@ tensor on the cache's device holding a position in [0, 2**31). Writes in place a
 
 The position is read on the device (no host sync). A position at or past the capacity C writes
 nothing, where ``index_copy_`` would stop the process with a device-side assert: the kernels
-touch no memory outside the cache, and ``n`` advances all the same. The decoding path never gets
+touch no memory outside the cache, and ``n`` advances all the same. A negative position (outside
+the contract: checking it would read ``n`` back to the host) writes nothing either; ``n`` is then
+left undefined. The decoding path never gets
 there: its caches are sized for the call's whole length.
 
 How a backend advances ``n`` within one launch: every program reads the position first, then

@@ -27,6 +27,7 @@ from . import _check
 def check(q, k, cos, sin, unsqueeze_dim: int = 1) -> None:
     """The kernels' check: :func:`check_args`, and cos and sin asking no gradient."""
     check_args(q, k, cos, sin, unsqueeze_dim)
+    _check.same_dtype("cos", cos, "sin", sin)  # (the kernels read both as one dtype)
     check_tables(cos, sin)
 
 
