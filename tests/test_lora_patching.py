@@ -330,6 +330,20 @@ def test_lora_dropout_off_is_bit_identical(backend, device):
 
 
 # ------------------------------------------------------------------ call-time state, later adapters
+def test_patched_peft_model_under_inference_mode():
+    # evaluation under torch.inference_mode: the q/k/v hand-off reads no version counter of an
+    # inference tensor (there is none); the logits are those of no_grad
+    pm = lora_model("qwen2")
+    ids = batch(pm, "cpu")
+    forge.patch(pm, backend="triton", kernels=LORA, min_elements=0)
+    pm.eval()
+    with torch.no_grad():
+        want = pm(ids).logits
+    with torch.inference_mode():
+        got = pm(ids).logits
+    assert torch.equal(got, want) and pm._forge_guard_stats.fused("lora_qkv") == 2 * pm.config.num_hidden_layers
+
+
 def test_call_time_state_and_later_adapters():
     pm = lora_model("qwen2")
     ref = copy.deepcopy(pm)  # unpatched twin

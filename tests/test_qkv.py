@@ -112,6 +112,27 @@ def test_calls_that_do_not_fit_run_the_three_products(capturing):
     forge.unpatch(model)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_peft_over_a_patched_model_runs_its_adapters(fused, monkeypatch):
+    # get_peft_model after forge.patch wraps the projections forge replaced: the wrapper calls
+    # its base layer, whose fallback is that layer's own product (not the wrapper's, which would
+    # call it again); the adapters count, as over the unpatched model
+    peft = pytest.importorskip("peft")
+    if fused:  # calls as inside a capture: the one product is offered, and declined per call
+        monkeypatch.setattr(guard.CAPTURE, "on", True)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(qkv_mod.QKV), init_lora_weights=False)
+    base = _model()
+    models = []
+    for patch in (False, True):
+        m = copy.deepcopy(base)
+        if patch:
+            _patched(m)
+        torch.manual_seed(3)  # the same adapters
+        models.append(peft.get_peft_model(m, cfg))
+    ids = _ids(base)
+    _close(_step(models[1], ids), _step(models[0], ids), "peft over a patched model")
+
+
 def test_declines_with_reasons(monkeypatch):
     model = _model()
     n = model.config.num_hidden_layers

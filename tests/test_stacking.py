@@ -145,6 +145,34 @@ def test_float32_weights_under_autocast(backend, stack_on):
     torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps * want.float().abs().max().item())
 
 
+def test_inference_mode_and_peft_over_the_stacked_model(stack_on):
+    # under torch.inference_mode the q/k/v hand-off has no version counter to read (inference
+    # tensors keep none); peft's get_peft_model over the patched model wraps the projections
+    # forge replaced and its adapters count
+    peft = pytest.importorskip("peft")
+    model = _model()
+    ref = copy.deepcopy(model)
+    forge.patch(model, mode="infer", backend=ops.auto_order()[0], min_elements=0)
+    ids = _ids(model, 2, 3)
+    with torch.no_grad():
+        want = ref(ids).logits
+        plain = model(ids).logits
+    with torch.inference_mode():
+        got = model(ids).logits
+    assert torch.equal(got, plain)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    assert model._forge_guard_stats.fused("qkv") > 0
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(QKV), init_lora_weights=False)
+    torch.manual_seed(3)
+    pm = peft.get_peft_model(model, cfg).eval()
+    torch.manual_seed(3)
+    pref = peft.get_peft_model(ref, cfg).eval()
+    with torch.inference_mode():
+        got, want = pm(input_ids=ids).logits, pref(input_ids=ids).logits
+    assert not torch.allclose(want, plain, rtol=1e-3, atol=1e-3)  # (the adapters change the logits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
 def test_switched_off_nothing_moves(monkeypatch):
     monkeypatch.setattr(stacking, "STACK_INFER", False)
     model = _model()

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..spec import row_linear
 from .graphs import capture_stream, recording, watch_workspaces, workspace_epoch
-from .guard import CAPTURE, STEP
+from .guard import CAPTURE, STEP, version
 
 WARMUP = 2  # uncaptured steps of a signature before its capture
 
@@ -181,7 +181,7 @@ class _RowProducts(torch.overrides.TorchFunctionMode):
         if p is None:
             return None
         r, rv, y, yv, s = p
-        if ((a is r and b is y) or (a is y and b is r)) and r._version == rv and y._version == yv:
+        if ((a is r and b is y) or (a is y and b is r)) and version(r) == rv and version(y) == yv:
             self.pending = None
             self.summed += 1
             return s
@@ -216,7 +216,7 @@ class _RowProducts(torch.overrides.TorchFunctionMode):
             return self.kernel(x.reshape(1, -1), w, b).view(shape)
         y, s = self.kernel(x.reshape(1, -1), w, b, r.view(1, -1))
         y, s = y.view(shape), s.view(shape)
-        self.pending = (r, r._version, y, y._version, s)
+        self.pending = (r, version(r), y, version(y), s)
         return y
 
 

@@ -47,6 +47,14 @@ class _Step:
 STEP = _Step()
 
 
+def version(t):
+    """``t._version``, or None for an inference tensor (made under ``torch.inference_mode``),
+    which keeps no version counter: reading it raises. The hand-offs that compare versions (q/k/v
+    slots, the decoding step's residual sums) then rely on the tensor's identity alone; within
+    inference mode nothing records an in-place change, as nothing would need to."""
+    return None if t.is_inference() else t._version
+
+
 class KeyStats:
     """Counters for one kernel key; the replaced forwards bump these attributes directly."""
 

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from . import stacking
 from .forwards import _compiling
-from .guard import CAPTURE
+from .guard import CAPTURE, version
 
 KEY = "qkv"
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -64,31 +64,31 @@ def slot_forwards(compute, ks):
     module. ``compute(attn, x, args, kwargs)`` returns (q, k, v) or None; with None, and for k or
     v without a matching slot, the projection's own forward runs (:func:`own_forward`).
     ``ks``: the guard counter (fused / fallback calls of q_proj, counted outside traces)."""
-    slots: dict[int, list] = {}  # id(attention module) -> [x, x._version, grad mode, k, v]
+    slots: dict[int, list] = {}  # id(attention module) -> [x, version(x), grad mode, k, v]
 
     def q_forward(attn, x, *args, **kwargs):
         out = compute(attn, x, args, kwargs)
         if out is not None:
             q, k, v = out
-            slots[id(attn)] = [x, x._version, torch.is_grad_enabled(), k, v]
+            slots[id(attn)] = [x, version(x), torch.is_grad_enabled(), k, v]
             if not _compiling():
                 ks.fused += 1
             return q
         slots.pop(id(attn), None)
         if not _compiling():
             ks.fallback += 1
-        return own_forward(attn._modules["q_proj"], x, *args, **kwargs)
+        return own_forward(_replaced(attn, "q_proj", q_forward), x, *args, **kwargs)
 
     def taker(idx, name):
         def forward(attn, x, *args, **kwargs):
             s = slots.get(id(attn))
-            if (s is not None and s[idx] is not None and s[0] is x and s[1] == x._version
+            if (s is not None and s[idx] is not None and s[0] is x and s[1] == version(x)
                     and s[2] == torch.is_grad_enabled() and not args and not kwargs):
                 out, s[idx] = s[idx], None
                 if s[3] is None and s[4] is None:
                     del slots[id(attn)]  # both taken: drop the reference to x
                 return out
-            return own_forward(attn._modules[name], x, *args, **kwargs)
+            return own_forward(_replaced(attn, name, forward), x, *args, **kwargs)
 
         return forward
 
@@ -107,6 +107,21 @@ def misfit(attn) -> str | None:
         return (f"q/k/v weights of {nbytes / 2**20:.1f} MiB per layer, over MAX_WEIGHT_BYTES "
                 f"({MAX_WEIGHT_BYTES >> 20} MiB): at this width the three products fill the GPU")
     return None
+
+
+def _replaced(attn, name, fn):
+    """The projection whose forward forge replaced with ``fn`` bound to ``attn``: ``attn.<name>``,
+    or, where a wrapper took its place since (peft's ``get_peft_model`` over a patched model, its
+    ``base_layer``), the module inside the wrapper that holds it. Its class's forward is the
+    fallback; the wrapper's would call it again."""
+    m = attn._modules[name]
+    if getattr(m.__dict__.get("forward"), "__func__", None) is fn:
+        return m
+    for sub in m.modules():
+        f = sub.__dict__.get("forward")
+        if getattr(f, "__func__", None) is fn and f.__self__ is attn:
+            return sub
+    return m
 
 
 def own_forward(m, x, *args, **kwargs):
