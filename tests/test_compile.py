@@ -103,6 +103,33 @@ def test_fullgraph_compile_train_and_infer(model_type, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_fullgraph_compile_of_a_lora_model(backend):
+    # peft LoRA on all seven projections, fused (lora_qkv's q/k/v hand-off, lora_o, lora_mlp):
+    # the trace is whole, and loss and adapter gradients are the eager patched model's
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    peft = pytest.importorskip("peft")
+    need_backend(backend)
+    torch._dynamo.reset()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(build_model("qwen2", num_hidden_layers=1),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    forge.patch(model, backend=backend, min_elements=0)
+    assert {"lora_qkv", "lora_o", "lora_mlp"} <= model._forge_patched_counts.keys(), model._forge_skipped
+    ids, labels = _batch(model)
+    k = max(model.config.vocab_size, model.config.intermediate_size, ids.numel())
+    want_loss, want_grads = _train_step(model, model, ids, labels)
+    cnt = CompileCounterWithBackend("aot_eager")
+    got_loss, got_grads = _train_step(torch.compile(model, backend=cnt, fullgraph=True), model, ids, labels)
+    assert cnt.frame_count == 1
+    _close("loss", got_loss, want_loss, k)
+    assert got_grads.keys() == want_grads.keys() and all("lora_" in n for n in want_grads)
+    for n in want_grads:
+        _close(f"grad {n}", got_grads[n], want_grads[n], k)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_dynamic_lengths_compile_once(backend):
     # torch.compile(dynamic=True): new sequence lengths reuse the first compile (the ops' fakes
     # and static arguments hold no length; the RMSNorm eps, which dynamo first makes a symbolic

@@ -19,6 +19,8 @@ Counts are per call, so gradient checkpointing (which re-runs the forward) count
 """
 from __future__ import annotations
 
+import torch
+
 
 class _Capture:
     """``CAPTURE.on`` is True while forge captures CUDA graphs (``graphs.py``): the guards then
@@ -51,8 +53,13 @@ def version(t):
     """``t._version``, or None for an inference tensor (made under ``torch.inference_mode``),
     which keeps no version counter: reading it raises. The hand-offs that compare versions (q/k/v
     slots, the decoding step's residual sums) then rely on the tensor's identity alone; within
-    inference mode nothing records an in-place change, as nothing would need to."""
-    return None if t.is_inference() else t._version
+    inference mode nothing records an in-place change, as nothing would need to. None as well
+    inside a torch.compile trace: there the counter is a data-dependent value (a guard on it
+    breaks the graph) and ``is_inference()`` is refused; the trace is functional, and the
+    hand-offs sit between calls transformers makes back to back."""
+    if torch.compiler.is_compiling() or t.is_inference():
+        return None
+    return t._version
 
 
 class KeyStats:

@@ -86,7 +86,7 @@ def slot_forwards(compute, ks):
                     and s[2] == torch.is_grad_enabled() and not args and not kwargs):
                 out, s[idx] = s[idx], None
                 if s[3] is None and s[4] is None:
-                    del slots[id(attn)]  # both taken: drop the reference to x
+                    slots.pop(id(attn), None)  # both taken: drop the reference to x
                 return out
             return own_forward(_replaced(attn, name, forward), x, *args, **kwargs)
 
