@@ -455,7 +455,23 @@ def test_patch_errors_name_the_argument_given():
     assert "rmsnorm" not in str(e.value)  # a kernel the user never mentioned
     with pytest.raises(ValueError, match=r"backend\['rope'\]='cuda'.*'auto', 'triton', 'pallas'"):
         forge.patch(model, backend={"rope": "cuda"})
+    for bad in (5, None):  # the wrong type: TypeError; a wrong name: ValueError
+        with pytest.raises(TypeError, match=r"mode must be a str, one of \('train', 'infer'\)"):
+            forge.patch(model, mode=bad)
+    with pytest.raises(ValueError, match=r"mode must be one of \('train', 'infer'\), got 'inference'"):
+        forge.patch(model, mode="inference")
     assert not hasattr(model, "_forge_patched_counts")
+
+
+def test_report_names_why_some_modules_were_declined():
+    # a kernel patched on some modules and declined on others: the report's row keeps the reason
+    model = build_model("qwen2")
+    model.model.layers[0].mlp.act_fn = nn.GELU()
+    forge.patch(model, backend=CPU_BACKEND, kernels=["swiglu"])
+    row = forge.report(model).kernels["swiglu"]
+    assert row.modules == model.config.num_hidden_layers - 1
+    assert row.skipped and "model.layers.0.mlp" in row.skipped, row
+    assert f"swiglu: {row.skipped}" in str(forge.report(model))
 
 
 def test_report_on_a_module_forge_does_not_patch():

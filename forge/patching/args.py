@@ -17,6 +17,8 @@ MODES = ("train", "infer")
 
 
 def normalize(mode, backend, min_elements, kernels, graphs=False, recompute_mlp=False, compile_kernels="auto"):
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a str, one of {MODES}, got {type(mode).__name__} {mode!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for name, v in (("graphs", graphs), ("recompute_mlp", recompute_mlp)):

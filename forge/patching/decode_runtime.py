@@ -32,8 +32,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import types
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -620,8 +620,7 @@ class CachedSteps:
                 s.graph, s.logits = backend.capture(fn, owner, dev)
         except Exception as e:  # noqa: BLE001 - never break generate(): this signature runs uncaptured
             self.failed[sig] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
-            warnings.warn(f"forge decode: {self.failed[sig]}; such steps run uncaptured", RuntimeWarning,
-                          stacklevel=2)
+            logging.getLogger("forge").warning("forge decode: %s; such steps run uncaptured", self.failed[sig])
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             return None

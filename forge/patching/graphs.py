@@ -631,10 +631,7 @@ class Graphs:
             s = self._capture_set(kind, x0, x_grad, cos, sin, cache_name)
         except Exception as e:  # noqa: BLE001 - never break the call: this kind runs uncaptured from now on
             self.failed[kind] = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
-            import warnings
-
-            warnings.warn(f"forge graphs: {self.failed[kind]}; such calls run uncaptured", RuntimeWarning,
-                          stacklevel=4)
+            logging.getLogger("forge").warning("forge graphs: %s; such calls run uncaptured", self.failed[kind])
             torch.cuda.synchronize()
             return None
         self.sets[key] = s

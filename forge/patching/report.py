@@ -55,7 +55,8 @@ class KernelReport:
                               # (None: the kernel has no size guard)
     fused: int               # calls that ran the kernel
     fallback: int            # calls that ran the original forward
-    skipped: str | None      # why the kernel was declined (None when patched)
+    skipped: str | None      # why the kernel was declined (None when patched everywhere; for a
+                             # kernel patched on some modules only, why the others were declined)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,8 @@ def build(root, state) -> Report:
     for key, n in info.counts.items():
         be = info.backends.get(key)
         kernels[key] = KernelReport(key, be, info.interpreted.get(be, False), n, info.thresholds.get(key),
-                                    stats.fused(key) if stats else 0, stats.fallback(key) if stats else 0, None)
+                                    stats.fused(key) if stats else 0, stats.fallback(key) if stats else 0,
+                                    info.skipped.get(key))
     for key, why in info.skipped.items():
         if key not in kernels:
             kernels[key] = KernelReport(key, None, False, 0, 0, 0, 0, why)
