@@ -34,7 +34,8 @@ from forge.patching.graphs import graph_pool_bytes  # noqa: E402
 from presets import PRESETS, add_step_arguments, build, is_moe  # noqa: E402
 
 COLUMNS = ["variant", "step_ms", "speedup", "speedup_vs_eager_again", "vs_first_backend", "peak_MiB", "mem_frac",
-           "reserved_MiB", "reserved_frac", "above_fixed_frac", "graph_held_MiB", "jax_peak_MiB", "compile_s", "graph_breaks", "note"]
+           "reserved_MiB", "reserved_frac", "above_fixed_frac", "graph_held_MiB", "jax_peak_MiB", "compile_s",
+           "graph_breaks", "note"]
 
 
 def fixed_mib(model, mode) -> float:
