@@ -69,6 +69,26 @@ def test_greedy_equals_unpatched_and_the_host_loop(model_type, fake_graphs):
     assert torch.equal(again, want) and d.loop_calls == 2 and st.decode_captures == 3, st
 
 
+@pytest.mark.parametrize("loop", [True, False])
+def test_a_callers_longer_max_length_criteria(loop, fake_graphs):
+    # transformers lets a caller's MaxLengthCriteria replace its own, so a call may run past the
+    # config's max_length: the cache is sized for the longest such criterion (it had been sized
+    # for the config's length, and the call wrote past it)
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    model, ref = _pair("qwen2")
+    model._forge_graphs.decode.device_loop = loop
+    ids, mask = _prompt(model, 2, 6, "cpu")
+    for length in (18, 46):  # past the 8-token cache a length of 6 + 5 asks for, then past 24 and 40
+        kw = dict(attention_mask=mask, max_new_tokens=5,
+                  stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(length)]))
+        want = _gen(ref, ids, **kw)
+        got = _gen(model, ids, **kw)
+        assert want.shape == (2, length) and torch.equal(got, want), length
+    assert model._forge_graphs.decode.slots[2].capacity >= 45
+
+
 def test_greedy_check_rule_against_eager(loop_on, fake_graphs):
     # test_decode's rule (logits along both continuations under the oracle) with the loop on
     model = _model("qwen3")

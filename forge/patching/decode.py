@@ -222,6 +222,17 @@ def _prefill_cache(base):
     return PrefillIntoStatic
 
 
+def _criteria_length(args, kwargs) -> int:
+    """The longest ``max_length`` among the ``MaxLengthCriteria`` a generate() call passes in its
+    ``stopping_criteria`` (by name or fourth in position), else 0."""
+    crit = kwargs.get("stopping_criteria", args[3] if len(args) > 3 else None)
+    if not crit:
+        return 0
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    return max((c.max_length for c in crit if isinstance(c, MaxLengthCriteria)), default=0)
+
+
 def _same_made(a, b) -> bool:
     """Two ``Decoder._made()`` states alike: the same mode and the same tensors at the same addresses."""
     return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
@@ -257,6 +268,7 @@ class Decoder:
         self.device_loop = decode_loop.DEVICE_LOOP  # serve whole calls on the device (decode_loop.py)
         self.loop_calls = 0  # generate() calls the device loop served
         self.loop_tokens = 0  # tokens it generated (new positions x batch)
+        self.longest = 0  # the longest MaxLengthCriteria the call in flight passed (0: none)
         self.pending = None  # (input_ids handed to the forward, the 2-D mask, prepare's key): the
         # decoding step transformers' prepare just ran for, whose masks the forward may check
         self._mods = list(root.modules())
@@ -276,6 +288,7 @@ class Decoder:
         if model is not self.root or self.armed:
             return type(model).generate(model, *args, **kwargs)
         self.armed = True
+        self.longest = _criteria_length(args, kwargs)
         if self.device_loop:
             why = decode_loop.why_not_hook(args, kwargs)
             if why is None:
@@ -288,7 +301,7 @@ class Decoder:
         finally:
             if self.slot is not None:  # (after the call: what forge itself set up in it counts)
                 self.slot.made = self._made()
-            self.armed, self.slot, self.cache_name, self.pending = False, None, None, None
+            self.armed, self.slot, self.cache_name, self.pending, self.longest = False, None, None, None, 0
 
     def offer(self, model, cfg, model_kwargs, mode, batch_size, max_cache_length, given):
         if model is not self.root or not self.armed or self.slot is not None:
@@ -301,7 +314,9 @@ class Decoder:
         if name is None:
             self.graphs.stats.count("generate: transformers prepared no DynamicCache to stand in for")
             return
-        slot = self._slot(batch_size * max(cfg.num_beams or 1, cfg.num_return_sequences or 1), max_cache_length)
+        # (a caller's MaxLengthCriteria replaces transformers' own, and may run past the config's length)
+        needed = max(max_cache_length, self.longest - 1)
+        slot = self._slot(batch_size * max(cfg.num_beams or 1, cfg.num_return_sequences or 1), needed)
         if slot.stale():  # their graphs point at a freed cuBLAS workspace: never replayed
             slot.drop_steps()
             self.graphs.stats.count("generate: decoding steps captured again (torch's cuBLAS workspaces were "
