@@ -58,17 +58,18 @@ VARIANTS = ("eager", "forge", "forge graphs", "forge graphs loop", "static + com
 # backend's decoding attention kernel (what the kernel is worth, side by side)
 EXTRA_VARIANTS = ("forge graphs sdpa", "forge pallas graphs", "forge graphs apart", "forge graphs loop index_copy",
                   "forge pallas graphs index_copy", "forge graphs loop cublas", "forge pallas graphs cublas",
-                  "forge graphs loop sums", "forge pallas graphs sums",
-                  "forge graphs loop glu", "forge pallas graphs glu", "forge graphs loop sums glu")
+                  "forge graphs loop nosums", "forge pallas graphs nosums",
+                  "forge graphs loop glu", "forge pallas graphs glu", "forge graphs loop nosums glu")
 # (the second: the Pallas backend, min_elements=0; the third: forge graphs loop with q/k/v and
 # gate/up weights each in their own memory, forge.patching.stacking.STACK_INFER off; then Triton
 # and Pallas writing the cache with transformers' index_copy_ calls, forge.patching.decode.KV_APPEND
 # off (on by default: the backend's kv_append); then the two with batch 1's one-row products by
 # cuBLAS, decode.ROW_LINEAR off (on by default: the backend's row_linear); then the two with the
-# residual additions after o and down written by those products, decode.ROW_SUMS on; then with the
-# MLPs' gate/up products and activations in one launch, decode.ROW_GLU on, and with both. A
+# residual additions after o and down done apart, decode.ROW_SUMS off (on by default: those products
+# write the sums); then with the MLPs' gate/up products and activations in one launch, decode.ROW_GLU
+# on, with and without the sums. A
 # variant name ending in a key of SWITCHES sets that switch for the variant before it)
-SWITCHES = {" index_copy": ("KV_APPEND", False), " cublas": ("ROW_LINEAR", False), " sums": ("ROW_SUMS", True),
+SWITCHES = {" index_copy": ("KV_APPEND", False), " cublas": ("ROW_LINEAR", False), " nosums": ("ROW_SUMS", False),
             " glu": ("ROW_GLU", True)}
 COLUMNS = ["batch", "prompt", "variant", "tok_s", "speedup", "decode_tok_s", "ms_token", "ttft_ms", "ttft_eager_ms", "total_s",
            "first_s", "first_extra_s", "peak_MiB", "pool_MiB", "reserved_MiB", "same_tokens", "agree_tokens", "note"]
