@@ -294,6 +294,57 @@ def test_stacked_weights_keep_the_captured_decoding_path(stack_on, fake_graphs):
     assert model._forge_guard_stats.fused("qkv") > 0
 
 
+def _storages(sd):
+    return {t.untyped_storage().data_ptr() for t in sd.values()}
+
+
+def test_state_dict_gives_each_weight_its_own_storage(stack_on, tmp_path):
+    # savers that keep one tensor per storage (accelerate's save_model dropped every view but the
+    # first: k, v and up missing from the checkpoint; safetensors' save_model refused the model):
+    # state_dict() first gives the stacked weights their own memory, as unpatch does
+    from safetensors.torch import load_file, save_model
+
+    model = build_model("llama", tie_word_embeddings=False).eval()
+    ref = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    assert not all(_own_memory(p) for p in model.parameters())  # stacked
+    sd = model.state_dict()
+    assert all(_own_memory(p) for p in model.parameters())
+    assert sd.keys() == ref.state_dict().keys() and len(_storages(sd)) == len(sd)
+    save_model(model, tmp_path / "m.safetensors")
+    back = load_file(tmp_path / "m.safetensors")
+    assert back.keys() == ref.state_dict().keys()
+    for n, t in ref.state_dict().items():
+        assert torch.equal(back[n], t), n
+    ids = _ids(model, 2, 3)
+    with torch.no_grad():  # the separate products from now on, with the same results
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
+    forge.unpatch(model)
+    assert all(not m._state_dict_pre_hooks for m in model.modules())
+
+
+def test_a_pickled_copy_unpatches_to_own_memory(stack_on):
+    # a pickle keeps the stacked weights' shared storage; the loaded copy (patched again as it
+    # loads) knows them for forge's by the saving hooks it brings along: its unpatch and its
+    # state_dict give each weight its own memory, as the original's do
+    import io
+
+    model = _model()
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert not all(_own_memory(p) for p in back.parameters())
+    hooks = [h for m in back.modules() for h in m._state_dict_pre_hooks.values()]
+    assert len(hooks) == sum(1 for _ in _groups(back))  # one saving hook per group, none doubled
+    forge.unpatch(back)
+    assert all(_own_memory(p) for p in back.parameters())
+    assert all(not m._state_dict_pre_hooks for m in back.modules())
+    for (n, p), q in zip(model.named_parameters(), back.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
 def test_a_failed_patch_unstacks(stack_on, monkeypatch):
     model = _model()
     import forge.patching.core as core

@@ -15,8 +15,12 @@ weights are found apart again (``model.to(...)`` gave each its own tensor, or a 
 replaced), the call runs the separate products: ``stacked`` is checked on each call.
 
 ``unpatch`` gives every moved weight its own memory again (a copy, one module at a time), so the
-model's parameters are as they were; the Parameter objects never change. transformers'
-``save_pretrained`` saves such views (it copies disjoint slices of one block before writing).
+model's parameters are as they were; the Parameter objects never change. So does the first
+``state_dict()`` (a pre-hook on each module whose projections were moved): savers that keep one
+tensor per storage (accelerate's ``save_model`` dropped every view but the first one, so k, v
+and up were missing from the checkpoint) get tensors that each own their memory, and the model
+runs the separate products from then on. A pickled copy brings those hooks along and so knows
+its stacked weights for forge's.
 
 On by default (``STACK_INFER = True``): at the Llama-3-8B shape a decoding step with the weights
 stored together was 7% faster at batch 1 and 4% at batch 8 than with them apart (docs/generate.md
@@ -25,8 +29,15 @@ has the run). ``STACK_INFER = False`` before ``forge.patch`` leaves every weight
 """
 from __future__ import annotations
 
+import functools
+import logging
+import operator
+
 import torch
 from torch import nn
+
+log = logging.getLogger("forge")
+_TOLD = False  # the saving hook's info line was logged (once a process; later ones at debug)
 
 STACK_INFER = True  # forge.patch(mode="infer") stacks q/k/v and gate/up weights (read at patch time)
 GLU_ROWS = 16  # gate and up as one product for calls of at most this many rows (decoding steps)
@@ -110,10 +121,15 @@ def stack(modules, names, undo) -> list:
         if any(m is None for m in mods) or misfit(mods, names) is not None:
             continue
         any_stacked = True
+        mine = _adopted(parent)
         for attr in ("weight", "bias"):
             ts = [getattr(m, attr) for m in mods]
-            if ts[0] is not None and _move(ts):
-                moved.append(ts)
+            if ts[0] is not None and _move(ts) and not any(len(g) == len(ts) and all(map(
+                    operator.is_, g, ts)) for g in mine):
+                mine.append(ts)
+        if mine:  # (its own list: a copy of this module alone copies only its own weights)
+            moved.extend(mine)
+            undo.append(parent.register_state_dict_pre_hook(functools.partial(_before_saving, mine)).remove)
     return any_stacked
 
 
@@ -121,6 +137,36 @@ def unstack(moved) -> None:
     for ts in moved:
         _unmove(ts)
     moved.clear()
+
+
+def _before_saving(moved, module, prefix, keep_vars) -> None:
+    """A state_dict pre-hook on each module whose projections forge stacked: gives the stacked
+    weights their own memory first (what unpatch does), so that every tensor of a state dict
+    owns its storage. Savers that keep one tensor per storage (accelerate's ``save_model``,
+    safetensors' ``save_model``) would otherwise drop or refuse the views; calls then run the
+    separate products (``stacked`` finds the weights apart)."""
+    global _TOLD
+    if moved:
+        (log.debug if _TOLD else log.info)(
+            "forge: state_dict() of a model patched with mode='infer' gives its stacked q/k/v and gate/up "
+            "weights their own memory again, so each saved tensor owns its storage; calls read them with "
+            "separate products (unpatch and patch again to stack them; said once a process)")
+        _TOLD = True
+        unstack(moved)
+
+
+def _adopted(parent) -> list:
+    """The groups of forge's own saving hooks on ``parent``, those hooks dropped: a copy or a
+    pickle of a patched model brings them along, over the copy's tensors (which a pickle keeps
+    stacked). They are forge's, to unstack at unpatch or on saving, not weights a loader placed
+    together."""
+    ours = [(k, h) for k, h in parent._state_dict_pre_hooks.items()
+            if isinstance(h, functools.partial) and h.func is _before_saving]
+    groups = []
+    for k, h in ours:
+        del parent._state_dict_pre_hooks[k]
+        groups.extend(ts for ts in h.args[0] if not any(ts is g for g in groups))
+    return groups
 
 
 def weights(parent, names, x):
