@@ -136,9 +136,9 @@ def test_routers_choose_as_transformers(model_type, backend, monkeypatch):
     the router's own logits (bit-equal), experts (equal; in bf16, where logits can tie, the same
     chosen logits) and scores (its dtype: bf16 for olmoe's and qwen3_moe's, fp32 for mixtral's,
     within one rounding), renormalised or not as the architecture's router does; a call that
-    wants gradients runs the router's own forward; unpatch restores it."""
+    wants gradients, or one in training mode, runs the router's own forward; unpatch restores it."""
     need_experts(backend)
-    model = _model(model_type, num_experts_per_tok=3)
+    model = _model(model_type, num_experts_per_tok=3).eval()
     routers = [m for m in model.modules() if type(m).__name__ in experts_patch.ROUTERS]
     assert routers, [type(m).__name__ for m in model.modules()]
     renorm = getattr(routers[0], "norm_topk_prob", True)
@@ -168,8 +168,44 @@ def test_routers_choose_as_transformers(model_type, backend, monkeypatch):
             logits, scores, index = r(leaf)  # (wants gradients: the router's own code)
             assert torch.equal(index, wi) and torch.equal(scores, ws)
         assert len(calls) == len(routers)
+        model.train()
+        with torch.no_grad():  # (reentrant checkpointing's first forward: the choice its recompute makes)
+            for r, (wl, ws, wi) in zip(routers, want):
+                logits, scores, index = r(hidden)
+                assert torch.equal(index, wi) and torch.equal(scores, ws)
+        assert len(calls) == len(routers)
+        model.eval()
         forge.unpatch(model)
         assert all("forward" not in r.__dict__ for r in routers)
+
+
+@pytest.mark.parametrize("backend", ops.BACKENDS)
+def test_reentrant_checkpointing_with_tied_router_logits(backend):
+    """A zero router (every logit tied) under reentrant checkpointing: the forward runs without
+    gradients and its recompute with them; both must choose the same experts, so the loss and
+    the gradients are eager's (the forward took the backend's top_k piece, which breaks ties by
+    the lower expert id, and the recompute torch's topk: here loss 5.58533 against 5.58630)."""
+    need_experts(backend)
+    model = build_model("qwen3_moe", num_hidden_layers=2, num_experts_per_tok=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    ref = copy.deepcopy(model)
+    ids, labels = batch(model, 2, 8, "cpu")
+    outs = []
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        m.train()
+        if m is model:
+            forge.patch(m, backend=backend, min_elements=0)
+        loss = m(ids, labels=labels).loss
+        loss.backward()
+        outs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (want, wg), (got, gg) = outs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert gg.keys() == wg.keys()
+    for n in wg:
+        torch.testing.assert_close(gg[n], wg[n], rtol=1e-4, atol=1e-6 * wg[n].abs().max().item(), msg=n)
 
 
 def _peft_expert_lora(model, targets=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):

@@ -64,10 +64,15 @@ def is_router(cls, mod) -> bool:
 
 def router_forward_of(ops, orig, renorm_attr, cast, compiling):
     """A router's forward: the backend's top_k after the router's own product for a call without
-    gradients, the router's own forward for any other (or while torch.compile traces)."""
+    gradients in eval mode, the router's own forward for any other (or while torch.compile
+    traces). Training mode keeps torch's choice even without gradients: reentrant checkpointing
+    runs a layer's forward without them, then again with them for the backward, and where logits
+    tie the two top-ks may choose different experts (the loss from one routing, the gradients
+    from the other)."""
     def forward(self, hidden_states):
         w = self.weight
-        if compiling() or (torch.is_grad_enabled() and (w.requires_grad or hidden_states.requires_grad)):
+        if compiling() or self.training or (
+                torch.is_grad_enabled() and (w.requires_grad or hidden_states.requires_grad)):
             return orig(self, hidden_states)
         logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), w)
         renorm = True if renorm_attr is None else bool(getattr(self, renorm_attr))
