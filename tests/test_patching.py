@@ -11,6 +11,7 @@ from forge import _runtime
 _runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
 
 import copy  # noqa: E402
+import logging  # noqa: E402
 import types  # noqa: E402
 
 import pytest  # noqa: E402
@@ -197,6 +198,29 @@ def test_unpatch_restores_exactly(qwen2):
     for attr in ("_forge_patched_counts", "_forge_skipped", "_forge_guard_stats", "_forge_state"):
         assert not hasattr(qwen2, attr)
     forge.unpatch(qwen2)  # twice: still a no-op
+
+
+def test_unpatch_says_so_when_a_forward_was_wrapped_after_patching(qwen2, caplog):
+    # accelerate's prepare (the HF Trainer with bf16=True) puts an autocast wrapper around the
+    # model's forward, forge's (the fused loss'); unpatch removed it with forge's without a word
+    forge.patch(qwen2, kernels=["rmsnorm", "fused_linear_ce"], min_elements=0)
+    assert "forward" in qwen2.__dict__
+    inner = qwen2.forward
+
+    def wrapper(*a, **k):
+        return inner(*a, **k)
+
+    qwen2.forward = wrapper
+    with caplog.at_level(logging.WARNING, logger="forge"):
+        forge.unpatch(qwen2)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("was replaced after forge.patch" in m and "forward" in m for m in said), said
+    assert not instance_forwards(qwen2)
+    caplog.clear()
+    forge.patch(qwen2, kernels=["rmsnorm", "fused_linear_ce"], min_elements=0)
+    with caplog.at_level(logging.WARNING, logger="forge"):
+        forge.unpatch(qwen2)  # nothing wrapped: nothing said
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_patch_twice_is_a_noop_and_new_arguments_repatch(qwen2):

@@ -8,12 +8,16 @@ no backend can run the kernel); ``wants(key)`` (requested and allowed in this mo
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .. import defaults, errors, ops
 from ..spec import SHAPE_SENSITIVE
 from . import copying
 from .guard import GuardStats
+
+log = logging.getLogger("forge")
 
 TRAIN_ONLY = ("fused_linear_ce", "lora_qkv", "lora_o", "lora_mlp")  # need a loss / adapter gradients
 # kernels whose patched forward can hand a torch.compile trace the original code instead
@@ -45,7 +49,7 @@ class Patcher:
         self._compile_kernels = compile_kernels  # forge.patch(compile_kernels=): see defers()
         self._min_fused = min_fused  # the default thresholds (forge.MIN_FUSED_ELEMENTS); None: forge.defaults'
         self._loaded: dict[str, tuple] = {}
-        self._records: list[list] = []       # [module, had_instance_attr, old_attr, key, attr name]
+        self._records: list[list] = []       # [module, had_instance_attr, old_attr, key, attr name, forge's]
         self._by_id: dict[int, list] = {}
         self.quiet: set[str] = set()         # skips that only say a kernel does not apply
         self.undo: list = []                 # callables unpatch runs (and a failed patch), e.g. unstacking
@@ -139,7 +143,7 @@ class Patcher:
         rec = self._by_id.get(id(module))
         if rec is None:
             had = "forward" in module.__dict__
-            rec = [module, had, module.__dict__.get("forward"), counted, "forward"]
+            rec = [module, had, module.__dict__.get("forward"), counted, "forward", None]
             self._records.append(rec)
             self._by_id[id(module)] = rec
             # copy.deepcopy / pickle copy the module without forge's forward (copying.py)
@@ -148,7 +152,7 @@ class Patcher:
             if rec[3] is not None:
                 self._count(rec[3], -1)
             rec[3] = counted
-        module.__dict__["forward"] = new_forward
+        module.__dict__["forward"] = rec[5] = new_forward
         if count:
             self._count(key, 1)
 
@@ -162,7 +166,7 @@ class Patcher:
     def replace_method(self, module, name: str, new) -> None:
         """Store ``new`` as the instance attribute ``name`` (a method other than forward that forge
         takes over, such as ``generate``); unpatch restores what was there. Not counted."""
-        self._records.append([module, name in module.__dict__, module.__dict__.get(name), None, name])
+        self._records.append([module, name in module.__dict__, module.__dict__.get(name), None, name, new])
         module.__dict__[name] = new
 
     # -- internals ---------------------------------------------------------------------------
@@ -218,7 +222,12 @@ def _find_kernel(key, want, auto, device_types, float64):
 def restore(records) -> None:
     """Undo replace_forward / replace_method records, newest first: delete the instance attribute,
     or put back the one that was there, so the module's forward is again exactly what it was."""
-    for module, had, old, _key, name in reversed(records):
+    for module, had, old, _key, name, ours in reversed(records):
+        if module.__dict__.get(name) is not ours:
+            log.warning("forge.unpatch: %s.%s was replaced after forge.patch (accelerate's prepare, which the "
+                        "HF Trainer calls, wraps a model's forward around forge's for mixed precision): the "
+                        "replacement is removed with forge's, and the module runs its own %s without it. "
+                        "Unpatch before wrapping the model to keep such a wrapper", type(module).__name__, name, name)
         for hook in copying.HOOKS:
             module.__dict__.pop(hook, None)
         if had:
