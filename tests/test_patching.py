@@ -340,6 +340,9 @@ def test_unsupported_model_raises():
     assert not instance_forwards(gpt2)
     with pytest.raises(forge.UnsupportedModelError, match="Linear"):
         forge.patch(nn.Linear(2, 2))
+    with pytest.raises(forge.UnsupportedModelError, match="got Qwen2Config; supported") as e:
+        forge.patch(AutoConfig.for_model("qwen2"))  # (it said "model_type None" of a config that has one)
+    assert "model_type None" not in str(e.value)
 
 
 def test_nested_model_attribute(qwen2):

@@ -91,7 +91,7 @@ def _unwrap(model):
         chain.append(m)
     raise errors.UnsupportedModelError(
         f"forge.patch needs a Hugging Face PreTrainedModel (optionally wrapped by peft or held in "
-        f"a module's .model), got {type(model).__name__} (model_type None); supported model_types: "
+        f"a module's .model), got {type(model).__name__}; supported model_types: "
         f"{', '.join(_arch.SUPPORTED)}")
 
 
