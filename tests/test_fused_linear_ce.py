@@ -390,7 +390,7 @@ def test_strategies_agree(backend, dtype, case, shape, tile, device):
         assert err <= bound, f"{name}: row chunks vs tiles rel err {err:.3e} > {bound:.3e}"
 
 
-def test_row_chunk_choice():
+def test_row_chunk_choice(monkeypatch):
     # row chunks by default where gradients are wanted: as many rows as 1 GiB of fp32 logits
     # holds, balanced over the chunks; vocabulary tiles without gradients, or for a vocabulary
     # so wide that a chunk would be under ROW_CHUNK_MIN rows; forced ones as given
@@ -401,6 +401,8 @@ def test_row_chunk_choice():
     assert spec.row_chunk(4096, 300_000) is None  # an 832-row cap: vocabulary tiles
     assert spec.row_chunk(500, 300_000) == 500  # ...unless every row fits one chunk
     assert spec.row_chunk(100, 10, 7) == 7
+    monkeypatch.setattr(spec, "ROW_CHUNK_BYTES", 2**29)  # read at the call (it was frozen at import)
+    assert spec.row_chunk(16384, 128256) == 1024
     with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
         spec.row_chunk(100, 10, 0)
 

@@ -306,6 +306,8 @@ def test_report_counts_what_ran(qwen2):
     assert rep.kernels["lora_qkv"].skipped and rep.kernels["lora_qkv"].backend is None
     text = str(rep)
     assert "rmsnorm" in text and "never" in text and "lora_qkv: mode='infer' declines lora_qkv" in text
+    assert "a compiled call is not counted" in text  # (the counters stand still under torch.compile)
+    assert "not counted" not in rep.table(calls=False)
     assert rep.as_dict()["kernels"]["rmsnorm"]["fallback"] == 5
 
 

@@ -91,6 +91,9 @@ class Report:
         lines += ["  " + "  ".join(c.ljust(n) for c, n in zip(r, w)).rstrip() for r in [head] + rows]
         if skips:
             lines += ["skipped:"] + skips
+        if calls and rows:
+            lines.append("(fused / fallback count the calls run outside torch.compile; a compiled call is not "
+                         "counted, and compile_kernels says which kernels a trace keeps)")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -214,18 +214,18 @@ def check_strategy(tile_vocab, chunk_rows) -> None:
 
 
 def row_chunk(n: int, v: int, chunk_rows: int | None = None, *, need_grad: bool = True,
-              budget: int = ROW_CHUNK_BYTES) -> int | None:
+              budget: int | None = None) -> int | None:
     """Rows per chunk for the row-chunk strategy, or None for vocabulary tiles: ``chunk_rows``
     when given; else, where gradients are wanted (without them both strategies do one product
     per logit), as many rows as ``budget`` bytes of fp32 logits hold, balanced over the chunks
     N needs and rounded up to ROW_ALIGN; None where that is fewer than ROW_CHUNK_MIN rows and
-    fewer than N."""
+    fewer than N. ``budget`` None: ROW_CHUNK_BYTES as it is at the call."""
     check_strategy(None, chunk_rows)
     if chunk_rows is not None:
         return chunk_rows
     if not need_grad:
         return None
-    cap = budget // (4 * max(v, 1)) // ROW_ALIGN * ROW_ALIGN
+    cap = (ROW_CHUNK_BYTES if budget is None else budget) // (4 * max(v, 1)) // ROW_ALIGN * ROW_ALIGN
     if cap < min(n, ROW_CHUNK_MIN):
         return None
     if n <= cap:
