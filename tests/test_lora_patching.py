@@ -187,6 +187,28 @@ def test_partial_target_with_a_trainable_plain_projection_is_left_to_peft():
     assert "k_proj: weight is trainable" in pm._forge_skipped["lora_qkv"]
 
 
+@pytest.mark.parametrize("first", [["q_proj", "v_proj"], ["k_proj"]])
+def test_an_adapter_added_after_patching_on_a_plain_projection(first):
+    # LoRA on some of q/k/v at patch time: the fused call also makes the plain ones, whose
+    # forwards take theirs from its slot. An adapter added later on such a projection made peft
+    # wrap it; the fused call read the wrapper's adapter, and the wrapper added it again to what
+    # its base layer (forge's forward) returned: logits 31% off, the adapter counted twice
+    peft = pytest.importorskip("peft")
+    pm = lora_model("llama", target_modules=first)
+    ref = copy.deepcopy(pm)
+    forge.patch(pm, backend="triton", kernels=LORA)
+    assert pm._forge_patched_counts.get("lora_qkv") == pm.config.num_hidden_layers
+    for m in (pm, ref):
+        torch.manual_seed(9)
+        m.add_adapter("new", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                                             init_lora_weights=False))
+        m.set_adapter("new")
+    ids = batch(pm, "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(pm(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert pm._forge_guard_stats.fallback("lora_qkv") == pm.config.num_hidden_layers  # (left to peft)
+
+
 def test_infer_mode_skips():
     pm = lora_model("gemma")
     forge.patch(pm, mode="infer", backend="triton", kernels=LORA)

@@ -56,7 +56,7 @@ from ..spec import lora_qkv as _qkv_spec
 from . import arch as _arch
 from .forwards import _compiling
 from .lora_fit import fused_params, misfit, peft_linear, proj_misfit, proj_params
-from .qkv import QKV, slot_forwards
+from .qkv import QKV, install_slots
 
 _peft_linear = peft_linear  # (the name the tests and older callers use)
 __all__ = ["apply", "fused_params", "misfit"]
@@ -180,9 +180,9 @@ def _mlp_forward(kernel, act, act_types, lora_linear, ks, recompute=False):
 
 
 # ------------------------------------------------------------------------------------ qkv
-def _qkv_forwards(kernel, lora_linear, ks):
-    """(q_proj forward, k_proj forward, v_proj forward), each bound to the attention module:
-    q, k and v from one fused call, handed on through forge.patching.qkv's slots."""
+def _qkv_compute(kernel, lora_linear):
+    """q, k and v from one fused call, for forge.patching.qkv's slot forwards (q_proj's makes
+    them, k_proj's and v_proj's take theirs)."""
     def compute(attn, x, args, kwargs):
         ps = [proj_params(attn._modules[n], lora_linear, True) for n in QKV]
         if None in ps:
@@ -194,7 +194,7 @@ def _qkv_forwards(kernel, lora_linear, ks):
         # every tensor bound to its spec name (forge.spec.lora_qkv.TENSORS)
         return kernel(**dict(zip(_QKV_NAMES, ts)), scale_q=ps[0][4], scale_k=ps[1][4], scale_v=ps[2][4], **drop)
 
-    return slot_forwards(compute, ks)
+    return compute
 
 
 # ------------------------------------------------------------------------------------ o
@@ -319,12 +319,7 @@ def _apply_qkv(p, attns, lora_linear):
     fit, why = _split(free, QKV, lora_linear, bias_ok=True)
     kernel = _ready(p, key, fit)
     if kernel is not None:
-        q_fwd, k_fwd, v_fwd = _qkv_forwards(kernel, lora_linear, p.stats.counter(key))
-        for attn in fit:
-            p.replace_forward(attn.q_proj, key, types.MethodType(q_fwd, attn))
-            # (q_proj carries the one count per attention module: one fused call per forward)
-            p.replace_forward(attn.k_proj, key, types.MethodType(k_fwd, attn), count=False)
-            p.replace_forward(attn.v_proj, key, types.MethodType(v_fwd, attn), count=False)
+        install_slots(p, key, fit, _qkv_compute(kernel, lora_linear))
     _skip_some(p, key, why, len(attns), "LoRA attention modules")
 
 

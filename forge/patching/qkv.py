@@ -59,15 +59,35 @@ QKV = ("q_proj", "k_proj", "v_proj")
 MAX_WEIGHT_BYTES = 8 << 20  # q, k and v weights of one layer together (Qwen2.5-0.5B: 2 MiB)
 
 
-def slot_forwards(compute, ks):
+def install_slots(p, key, attns, compute) -> None:
+    """Give each attention module of ``attns`` the three forwards of :func:`slot_forwards`
+    (q_proj makes the three with ``compute``; k_proj and v_proj take theirs from the slot),
+    remembering the projections they were installed on."""
+    mods: dict[int, tuple] = {}
+    q_fwd, k_fwd, v_fwd = slot_forwards(compute, p.stats.counter(key), mods)
+    for attn in attns:
+        # (q_proj carries the one count per attention module: one fused call per forward)
+        p.replace_forward(attn.q_proj, key, types.MethodType(q_fwd, attn))
+        p.replace_forward(attn.k_proj, key, types.MethodType(k_fwd, attn), count=False)
+        p.replace_forward(attn.v_proj, key, types.MethodType(v_fwd, attn), count=False)
+        mods[id(attn)] = tuple(attn._modules[n] for n in QKV)
+
+
+def slot_forwards(compute, ks, mods):
     """(q_proj forward, k_proj forward, v_proj forward), each to be bound to the attention
     module. ``compute(attn, x, args, kwargs)`` returns (q, k, v) or None; with None, and for k or
     v without a matching slot, the projection's own forward runs (:func:`own_forward`).
-    ``ks``: the guard counter (fused / fallback calls of q_proj, counted outside traces)."""
+    ``ks``: the guard counter (fused / fallback calls of q_proj, counted outside traces).
+    ``mods``: id(attention module) -> the projections the forwards were installed on. Where one
+    is another module now (peft wrapped it in a LoRA layer after patching: its forward adds its
+    adapter to what its base layer, forge's forward, returns), ``compute`` is not asked, since it
+    reads the attention module's projections as they are now and would add that adapter too."""
     slots: dict[int, list] = {}  # id(attention module) -> [x, version(x), grad mode, k, v]
 
     def q_forward(attn, x, *args, **kwargs):
-        out = compute(attn, x, args, kwargs)
+        want = mods.get(id(attn), ())
+        same = len(want) == len(QKV) and all(attn._modules.get(n) is m for n, m in zip(QKV, want))
+        out = compute(attn, x, args, kwargs) if same else None
         if out is not None:
             q, k, v = out
             slots[id(attn)] = [x, version(x), torch.is_grad_enabled(), k, v]
@@ -217,8 +237,4 @@ def _free(attns):
 def _install(p, attns, compute) -> None:
     """q_proj makes the three with ``compute``; k_proj and v_proj take theirs from the slot."""
     p.runs_torch(KEY)
-    q_fwd, k_fwd, v_fwd = slot_forwards(compute, p.stats.counter(KEY))
-    for attn in attns:
-        p.replace_forward(attn.q_proj, KEY, types.MethodType(q_fwd, attn))
-        p.replace_forward(attn.k_proj, KEY, types.MethodType(k_fwd, attn), count=False)
-        p.replace_forward(attn.v_proj, KEY, types.MethodType(v_fwd, attn), count=False)
+    install_slots(p, KEY, attns, compute)
