@@ -37,9 +37,10 @@ fused call runs in the autocast dtype, as every matmul of eager peft then does.
 
 Adapters added after ``forge.patch``: an adapter added to (or activated on) layers that were LoRA
 layers at patch time is picked up at call time, fused when it fits. LoRA layers created after it
-(``get_peft_model`` or ``inject_adapter`` on a patched model) are not: ``forge.unpatch`` and
-``forge.patch`` again. The replaced forwards are methods bound to the module they replace or its
-attention / MLP module (``copy.deepcopy`` of the model rebinds them to the copy) and capture no
+(``get_peft_model``, ``inject_adapter`` or ``add_adapter`` on a projection that had none) are
+not, and an attention module with such a projection runs peft's path (the slots check their
+modules: forge.patching.qkv.slot_forwards): ``forge.unpatch`` and ``forge.patch`` again. The
+replaced forwards are methods bound to the module they replace or its attention / MLP module (``copy.deepcopy`` of the model rebinds them to the copy) and capture no
 tensor. A q/k/v slot that is never taken keeps that layer's k and v alive until the attention's
 next call.
 """
