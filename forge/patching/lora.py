@@ -40,9 +40,9 @@ layers at patch time is picked up at call time, fused when it fits. LoRA layers 
 (``get_peft_model``, ``inject_adapter`` or ``add_adapter`` on a projection that had none) are
 not, and an attention module with such a projection runs peft's path (the slots check their
 modules: forge.patching.qkv.slot_forwards): ``forge.unpatch`` and ``forge.patch`` again. The
-replaced forwards are methods bound to the module they replace or its attention / MLP module (``copy.deepcopy`` of the model rebinds them to the copy) and capture no
-tensor. A q/k/v slot that is never taken keeps that layer's k and v alive until the attention's
-next call.
+replaced forwards are methods bound to the module they replace or its attention / MLP module
+(``copy.deepcopy`` of the model rebinds them to the copy) and capture no tensor. A q/k/v slot
+that is never taken keeps that layer's k and v alive until the attention's next call.
 """
 from __future__ import annotations
 
