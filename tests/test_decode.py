@@ -487,6 +487,33 @@ def test_max_new_tokens_beyond_the_cache_grows_it(fake_graphs):
         assert st.decode_caches == caches and d.slots[2].capacity == capacity, (new, st)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
+def test_a_returned_cache_is_the_callers(model_type, fake_graphs):
+    # return_dict_in_generate handed the caller forge's own cache, which forge keeps: the next
+    # call of that batch size reset and refilled it under a caller continuing a conversation with
+    # it (turn-2 logits 0.6 off), and past its capacity forge's one-token update wrote nothing
+    model = _model(model_type)
+    eager_model = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=NONE, graphs=True)
+    a, am = _prompt(model, 1, 5, "cpu", seed=1)
+    b, bm = _prompt(model, 1, 5, "cpu", seed=2)
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    logits = []
+    for m in (model, eager_model):
+        out = m.generate(a, attention_mask=am, **kw)
+        m.generate(b, attention_mask=bm, **kw)  # another conversation, the same batch size
+        more = torch.full((1, 2 if model_type == "qwen2" else 1), 7)  # (gemma2: a static cache of 8)
+        with torch.no_grad():
+            logits.append(m(more, past_key_values=out.past_key_values, use_cache=True).logits)
+        if m is model:
+            d = model._forge_graphs.decode
+            assert d.slots and all(out.past_key_values is not slot.cache for slot in d.slots.values())
+            full = model_type == "qwen2"  # (gemma2's sliding layers: a copy of the static cache)
+            want = type(eager_model.generate(a, attention_mask=am, **kw).past_key_values)
+            assert (type(out.past_key_values) is want) == full
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
 def test_calls_the_path_cannot_serve_run_as_before(fake_graphs):
     from transformers import DynamicCache
 

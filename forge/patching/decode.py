@@ -31,6 +31,7 @@ straight into the static cache (``Decoder._prefill``).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import logging
@@ -239,6 +240,28 @@ def _same_made(a, b) -> bool:
         x is y and p == q for (x, p), (y, q) in zip(a[1], b[1]))
 
 
+def _handed(cache, dynamic_cache):
+    """The cache a ``return_dict_in_generate`` call returns, in place of forge's own, which forge
+    keeps for its next call of that batch size (that call would reset and refill it under a
+    caller continuing a conversation with it) and whose layers take forge's one-token update
+    (which writes nothing past the capacity). Where every layer attends to the whole cache:
+    ``dynamic_cache`` (transformers' DynamicCache, what the unpatched model returns) holding
+    copies of the filled positions; else a copy of the static cache with its own tensors and
+    transformers' own layer update (continuing past its length raises, as a static cache does)."""
+    from transformers.cache_utils import StaticLayer
+
+    if all(type(ly) is StaticLayer and getattr(ly, "is_initialized", False) for ly in cache.layers):
+        twin = dynamic_cache()
+        for i, ly in enumerate(cache.layers):
+            n = int(ly.cumulative_length)
+            twin.update(ly.keys[:, :, :n].clone(), ly.values[:, :, :n].clone(), i)
+        return twin
+    twin = copy.deepcopy(cache)
+    for ly in twin.layers:
+        ly.__dict__.pop("update", None)
+    return twin
+
+
 class Decoder:
     """Per patched model: its static caches with their captured steps, and the generate call in
     flight."""
@@ -297,7 +320,10 @@ class Decoder:
                 self.graphs.stats.count("device loop: " + why)
         try:
             with rt.BACKEND.serve(model.device):  # (on the capture stream: see CudaGraphs.serve)
-                return type(model).generate(model, *args, **kwargs)
+                out = type(model).generate(model, *args, **kwargs)
+            if self.slot is not None and getattr(out, "past_key_values", None) is self.slot.cache:
+                out.past_key_values = _handed(self.slot.cache, self.graphs._dynamic_cache)
+            return out
         finally:
             if self.slot is not None:  # (after the call: what forge itself set up in it counts)
                 self.slot.made = self._made()
