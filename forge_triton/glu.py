@@ -162,7 +162,7 @@ def _glu(spec_check, gate, up, gelu: bool):
         _common.check_device(gate=gate, up=up)
         return _ops.call(GLU, gate, up, gelu=gelu)[0]
     if not (_common.hot_tensors(gate, up) and gate.dtype is up.dtype and gate.shape == up.shape
-            and gate.get_device() == up.get_device()):
+            and gate.dim() >= 1 and gate.get_device() == up.get_device()):
         spec_check(gate, up)
         _common.check_device(gate=gate, up=up)
     if not _common.needs_autograd(gate, up):

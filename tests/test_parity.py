@@ -163,6 +163,16 @@ def test_glu_noncontiguous(backend, key, device):
     _check(key, backend, GLU[key].reference, _glu_case(gate, up))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("key", list(GLU))
+def test_glu_refuses_a_0d_gate(backend, key, device):
+    # (Triton's fast path skipped the spec's check for 0-d tensors of equal shape and returned a value)
+    need_backend(backend)
+    gate, up = torch.tensor(1.5, device=device), torch.tensor(2.0, device=device)
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        ops.get(key, backend)(gate, up)
+
+
 # ---------------------------------------------------------------- rope
 def _rope_inputs(shape, dtype, device, batch_cos=True):
     b, hq, hk, s, d = shape
