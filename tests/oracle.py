@@ -35,23 +35,41 @@ def _as_tuple(x):
     return tuple(x) if isinstance(x, tuple | list) else (x,)
 
 
+def grad_leaf(t: torch.Tensor):
+    """(argument, gradient getter) for an input whose gradient a test reads: the argument holds
+    ``t``'s values in ``t``'s own layout (a clone makes a step-sliced view contiguous, and the
+    kernel would never see its strides), a view of a leaf where it must be; the getter returns
+    the gradient in ``t``'s shape (zeros where none came)."""
+    t = t.detach()
+    leaf = t.clone().requires_grad_(True)
+    if leaf.stride() == t.stride() or not t.numel() or 0 in t.stride():
+        return leaf, lambda: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    base = torch.zeros(span, dtype=t.dtype, device=t.device)
+    base.as_strided(t.shape, t.stride()).copy_(t)
+    base.requires_grad_(True)
+    view = base.as_strided(t.shape, t.stride())
+    return view, lambda: (base.grad.as_strided(t.shape, t.stride()).clone() if base.grad is not None
+                          else torch.zeros_like(t))
+
+
 def _forward(fn, tensors: dict, diff: tuple, kwargs: dict, to=None):
-    leaves = {}
+    args, grads = {}, {}
     for name, t in tensors.items():
         t = t.detach()
         if to is not None:
             t = t.to(*to)
         if name in diff:
-            t = t.clone().requires_grad_(True)
-        leaves[name] = t
-    return _as_tuple(fn(**leaves, **kwargs)), leaves
+            t, grads[name] = grad_leaf(t)
+        args[name] = t
+    return _as_tuple(fn(**args, **kwargs)), grads
 
 
-def _backward(outs, leaves, diff, grads_out):
+def _backward(outs, grads, diff, grads_out):
     live = [(o, g) for o, g in zip(outs, grads_out) if o.requires_grad]
     if live and any(o.numel() for o, _ in live):
         torch.autograd.backward([o for o, _ in live], [g.to(o.device, o.dtype) for o, g in live])
-    return {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) for n in diff}
+    return {n: grads[n]() for n in diff}
 
 
 def check_op(kernel_fn, ref_fn, tensors: dict, *, diff=(), kwargs=None, reductions=None,

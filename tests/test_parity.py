@@ -22,7 +22,7 @@ from forge.spec import rope as rope_spec
 from forge.spec import shapes
 from forge.spec import swiglu as swiglu_spec
 from forge.spec import tolerance
-from oracle import check_op, need_backend
+from oracle import check_op, grad_leaf, need_backend
 
 BACKENDS = list(ops.BACKENDS)  # from the registry (forge.ops.BACKENDS_TABLE)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -46,13 +46,15 @@ def _run_both(key, case):
     results = {}
     grads_out = None
     for backend in BACKENDS:
-        leaves = {n: (t.detach().clone().requires_grad_(n in case["diff"])) for n, t in case["tensors"].items()}
-        outs = ops.get(key, backend)(**leaves, **case["kwargs"])
+        args, grads = {}, {}
+        for n, t in case["tensors"].items():
+            args[n], grads[n] = grad_leaf(t) if n in case["diff"] else (t.detach().clone(), None)
+        outs = ops.get(key, backend)(**args, **case["kwargs"])
         outs = outs if isinstance(outs, tuple) else (outs,)
         if grads_out is None:
             grads_out = [torch.randn_like(o) for o in outs]
         torch.autograd.backward(list(outs), grads_out)
-        results[backend] = [o.detach() for o in outs] + [leaves[n].grad for n in case["diff"]]
+        results[backend] = [o.detach() for o in outs] + [grads[n]() for n in case["diff"]]
     return results
 
 
