@@ -84,9 +84,18 @@ def slot_forwards(compute, ks, mods):
     reads the attention module's projections as they are now and would add that adapter too."""
     slots: dict[int, list] = {}  # id(attention module) -> [x, version(x), grad mode, k, v]
 
+    def mine(attn, i):
+        """The projection forge put forward ``i`` on: its class's forward is the fallback (where
+        a wrapper took its place since, peft's over a patched model, the wrapper's would call
+        forge's again)."""
+        want = mods.get(id(attn))
+        return attn._modules[QKV[i]] if want is None else want[i]
+
     def q_forward(attn, x, *args, **kwargs):
-        want = mods.get(id(attn), ())
-        same = len(want) == len(QKV) and all(attn._modules.get(n) is m for n, m in zip(QKV, want))
+        want = mods.get(id(attn))
+        mo = attn._modules
+        same = (want is not None and mo.get("q_proj") is want[0] and mo.get("k_proj") is want[1]
+                and mo.get("v_proj") is want[2])
         out = compute(attn, x, args, kwargs) if same else None
         if out is not None:
             q, k, v = out
@@ -97,9 +106,9 @@ def slot_forwards(compute, ks, mods):
         slots.pop(id(attn), None)
         if not _compiling():
             ks.fallback += 1
-        return own_forward(_replaced(attn, "q_proj", q_forward), x, *args, **kwargs)
+        return own_forward(mine(attn, 0), x, *args, **kwargs)
 
-    def taker(idx, name):
+    def taker(idx):
         def forward(attn, x, *args, **kwargs):
             s = slots.get(id(attn))
             if (s is not None and s[idx] is not None and s[0] is x and s[1] == version(x)
@@ -108,11 +117,11 @@ def slot_forwards(compute, ks, mods):
                 if s[3] is None and s[4] is None:
                     slots.pop(id(attn), None)  # both taken: drop the reference to x
                 return out
-            return own_forward(_replaced(attn, name, forward), x, *args, **kwargs)
+            return own_forward(mine(attn, idx - 2), x, *args, **kwargs)
 
         return forward
 
-    return q_forward, taker(3, "k_proj"), taker(4, "v_proj")
+    return q_forward, taker(3), taker(4)
 
 
 def misfit(attn) -> str | None:
@@ -127,21 +136,6 @@ def misfit(attn) -> str | None:
         return (f"q/k/v weights of {nbytes / 2**20:.1f} MiB per layer, over MAX_WEIGHT_BYTES "
                 f"({MAX_WEIGHT_BYTES >> 20} MiB): at this width the three products fill the GPU")
     return None
-
-
-def _replaced(attn, name, fn):
-    """The projection whose forward forge replaced with ``fn`` bound to ``attn``: ``attn.<name>``,
-    or, where a wrapper took its place since (peft's ``get_peft_model`` over a patched model, its
-    ``base_layer``), the module inside the wrapper that holds it. Its class's forward is the
-    fallback; the wrapper's would call it again."""
-    m = attn._modules[name]
-    if getattr(m.__dict__.get("forward"), "__func__", None) is fn:
-        return m
-    for sub in m.modules():
-        f = sub.__dict__.get("forward")
-        if getattr(f, "__func__", None) is fn and f.__self__ is attn:
-            return sub
-    return m
 
 
 def own_forward(m, x, *args, **kwargs):
