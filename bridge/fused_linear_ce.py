@@ -45,7 +45,7 @@ FLCE = core.KernelDef("fused_linear_ce", fwd=_k.flce_fwd, bwd=None, diff=())
 # `pytest -m gpu tests/test_fused_linear_ce.py` passed on an H100 (2026-12-05) and the Llama-3-8B
 # full fine-tune step ran with it at 0.99x Triton's speed. False: the one jitted function, via DLPack.
 NATIVE_ROWS = True
-# one row chunk's kernels, natively launched (inputs: z, labels, state or lse and row weights[, bias])
+# one row chunk's kernels, natively launched (inputs: z, labels, state, or max, log sum-exp and row weights[, bias])
 CHUNK_STATS = core.KernelDef("flce_chunk_stats", fwd=_k.flce_chunk_stats, bwd=None, diff=())
 CHUNK_GRAD = core.KernelDef("flce_chunk_grad", fwd=_k.flce_chunk_grad, bwd=None, diff=())
 
@@ -90,11 +90,11 @@ def _rows_native(tensors, static, rows, need_h, need_w, need_b):
         zero = torch.zeros(c, dtype=acc, device=z.device)
         m, s, t, sz = core.run_fwd(CHUNK_STATS, z, y_c, torch.full_like(zero, float("-inf")), zero, zero, zero,
                                    *bias, softcap=softcap, smooth=eps > 0)
-        lse = m + torch.log(s)
-        loss_rows[r0:r1] = _k.row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss)
+        ls = torch.log(s)
+        loss_rows[r0:r1] = _k.row_loss(m, ls, t, sz, eps=eps, v=v, z_loss=z_loss)
         if not (need_h or need_w or need_b):
             return None
-        return core.run_fwd(CHUNK_GRAD, z, y_c, lse, w_rows[r0:r1], *bias, softcap=softcap, dtype=dtype,
+        return core.run_fwd(CHUNK_GRAD, z, y_c, m, ls, w_rows[r0:r1], *bias, softcap=softcap, dtype=dtype,
                             **coefs)[0]
 
     gh, gw, gb = _products.row_chunks(hidden, weight, rows, need_h, need_w, need_b, kernels)

@@ -86,10 +86,11 @@ def _flce_stats_kernel(z_ref, b_ref, yl_ref, m_ref, s_ref, t_ref, sz_ref, n_ref,
 
 
 # Backward of the row loss (1-eps)(lse - z_y) + eps(lse - mean z) + z_loss lse^2, weighted by
-# w_i = valid_i / divisor, with p = exp(z - lse):
+# w_i = valid_i / divisor, with p = exp((z - m) - log s) (m the row's max, s its sum-exp: kept
+# apart, so lse's rounding, relative to |lse|, does not reach every probability):
 #   dL/dz_j = w_i (p_j (1 + 2 z_loss lse) - (1-eps)[j == y] - eps/V)
 #   softcap z = c tanh(r / c):  dL/dr = dL/dz (1 - tanh^2)
-def _flce_grad_kernel(z_ref, b_ref, yl_ref, lse_ref, w_ref, n_ref, g_ref, *, vc, softcap, has_bias,
+def _flce_grad_kernel(z_ref, b_ref, yl_ref, m_ref, ls_ref, w_ref, n_ref, g_ref, *, vc, softcap, has_bias,
                       one_minus_eps, eps_over_v, two_z_loss, block_m, block_n):
     n = C.read_rows(n_ref)
     i = pl.program_id(0)
@@ -97,9 +98,10 @@ def _flce_grad_kernel(z_ref, b_ref, yl_ref, lse_ref, w_ref, n_ref, g_ref, *, vc,
     rmask = rows < n
     rs = pl.ds(i * block_m, block_m)
     yl = C.load(yl_ref.at[rs], mask=rmask, other=-1)  # (BM,)
-    lse = C.load(lse_ref.at[rs], mask=rmask, other=0.0)
+    m = C.load(m_ref.at[rs], mask=rmask, other=0.0)
+    ls = C.load(ls_ref.at[rs], mask=rmask, other=0.0)
     w = C.load(w_ref.at[rs], mask=rmask, other=0.0)
-    pc = (w * (1.0 + two_z_loss * lse))[:, None]
+    pc = (w * (1.0 + two_z_loss * (m + ls)))[:, None]
 
     def body(j, carry):
         j = j.astype(jnp.int32)
@@ -109,7 +111,7 @@ def _flce_grad_kernel(z_ref, b_ref, yl_ref, lse_ref, w_ref, n_ref, g_ref, *, vc,
         cs = pl.ds(j * block_n, block_n)
         z, th = _logits(z_ref, b_ref, rs, cs, rmask, cmask, softcap=softcap, has_bias=has_bias)
         hot = jnp.where(cols[None, :] == yl[:, None], one_minus_eps, 0.0)
-        g = pc * jnp.exp(z - lse[:, None]) - w[:, None] * (eps_over_v + hot)
+        g = pc * jnp.exp((z - m[:, None]) - ls[:, None]) - w[:, None] * (eps_over_v + hot)
         if softcap is not None:
             g = g * (1.0 - th * th)
         C.store(g_ref.at[rs, cs], g.astype(g_ref.dtype), mask=mask)
@@ -139,16 +141,16 @@ def _stats(z, b, yl, state, *, softcap, smooth):
                    num_warps=warps)(z, b, yl, *state, C.rows_operand(n))
 
 
-def _grad(z, b, yl, lse, w, dtype, *, softcap, **coefs):
+def _grad(z, b, yl, m, ls, w, dtype, *, softcap, **coefs):
     n, vc = z.shape
     if n == 0:
         return jnp.zeros((n, vc), dtype)
     bm, bn, warps = _config(vc)
     kern = functools.partial(_flce_grad_kernel, vc=vc, softcap=softcap, has_bias=b is not None,
                              block_m=bm, block_n=bn, **coefs)
-    b = b if b is not None else lse
+    b = b if b is not None else m
     return _launch(kern, name="flce_grad", grid=(C.row_programs(C.cdiv(n, bm)),), num_warps=warps,
-                   out_shape=jax.ShapeDtypeStruct((n, vc), dtype))(z, b, yl, lse, w, C.rows_operand(n))
+                   out_shape=jax.ShapeDtypeStruct((n, vc), dtype))(z, b, yl, m, ls, w, C.rows_operand(n))
 
 
 # grad_W += dz^T @ h for one chunk of rows, in place (the grad_W input aliased to the output).
@@ -241,11 +243,15 @@ def tile_width(n, v, tile_vocab):
     return max(1, min(int(tile_vocab), v))
 
 
-def row_loss(lse, t, sz, *, eps, v, z_loss):
-    """Each row's loss (1-eps)(lse - z_y) + eps(lse - mean z) + z_loss lse^2 from its statistics
-    (arithmetic only: JAX arrays or torch tensors alike; bridge/fused_linear_ce.py uses it on
+def row_loss(m, ls, t, sz, *, eps, v, z_loss):
+    """Each row's loss (1-eps)(lse - z_y) + eps(lse - mean z) + z_loss lse^2 from its statistics,
+    lse = m + ls (max, log sum-exp), formed as (1-eps)(m - z_y) + eps(m - mean z) + ls: m - z_y is
+    exact where lse - z_y would carry lse's rounding, relative to |lse| (large logits).
+    Arithmetic only: JAX arrays or torch tensors alike (bridge/fused_linear_ce.py uses it on
     torch's side)."""
-    return lse - (1.0 - eps) * t - (eps / v) * sz + z_loss * lse * lse
+    lse = m + ls
+    loss = (1.0 - eps) * (m - t) + ls + z_loss * lse * lse
+    return loss + (eps * m - (eps / v) * sz) if eps else loss
 
 
 def _row_weights(valid, div, acc):
@@ -297,8 +303,8 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
 
     zero = jnp.zeros((n,), acc)
     m, s, t, sz = _over_tiles(v, vc, pass1, (jnp.full((n,), -jnp.inf, acc), zero, zero, zero))
-    lse = m + jnp.log(s)  # (N,)
-    rows = row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss)
+    ls = jnp.log(s)  # (N,)
+    rows = row_loss(m, ls, t, sz, eps=eps, v=v, z_loss=z_loss)
     loss = jnp.sum(jnp.where(valid, rows, 0)) / div.astype(acc)
 
     need_h, need_w, need_b = grads_for
@@ -311,7 +317,7 @@ def flce_fwd(hidden, weight, labels, div, bias=None, *, ignore_index, softcap, l
     def pass2(v0, width, grads):
         gh, gw, gb = grads
         z, b, wt = logits(v0, width)
-        g = _grad(z, b, labels - v0, lse, w, dt, softcap=softcap, **coefs)  # (N, Vc)
+        g = _grad(z, b, labels - v0, m, ls, w, dt, softcap=softcap, **coefs)  # (N, Vc)
         if need_w:
             gw_tile = jnp.dot(g.T, hidden, preferred_element_type=acc, precision=prec).astype(dt)  # (Vc, H)
             gw = jax.lax.dynamic_update_slice_in_dim(gw, gw_tile, v0, 0)
@@ -367,11 +373,11 @@ def _flce_rows(hidden, weight, labels, div, bias, *, ignore_index, softcap, labe
         zero = jnp.zeros((r1 - r0,), acc)
         m, s, t, sz = _stats(z, bias, y_c, (jnp.full((r1 - r0,), -jnp.inf, acc), zero, zero, zero),
                              softcap=softcap, smooth=eps > 0)
-        lse = m + jnp.log(s)
-        losses.append(row_loss(lse, t, sz, eps=eps, v=v, z_loss=z_loss))
+        ls = jnp.log(s)
+        losses.append(row_loss(m, ls, t, sz, eps=eps, v=v, z_loss=z_loss))
         if not need_grad:
             continue
-        g = _grad(z, bias, y_c, lse, w_rows[r0:r1], dt, softcap=softcap, **coefs)  # (C, V)
+        g = _grad(z, bias, y_c, m, ls, w_rows[r0:r1], dt, softcap=softcap, **coefs)  # (C, V)
         if need_h:
             gh_parts.append(jnp.dot(g, w_all, preferred_element_type=acc, precision=prec))  # (C, H)
         if need_w:  # every chunk adds into grad_W in place
@@ -400,8 +406,8 @@ def flce_chunk_stats(z, yl, m0, s0, t0, sz0, bias=None, *, softcap, smooth):
     return _stats(z, bias, yl, (m0, s0, t0, sz0), softcap=softcap, smooth=smooth), ()
 
 
-def flce_chunk_grad(z, yl, lse, w, bias=None, *, softcap, dtype, one_minus_eps, eps_over_v, two_z_loss):
-    """dL/dz (C, V) in ``dtype`` (a name) for one chunk from its logits, labels, lse and row
-    weights (valid / divisor) -> ((dz,), ())."""
-    return (_grad(z, bias, yl, lse, w, jnp.dtype(dtype), softcap=softcap, one_minus_eps=one_minus_eps,
+def flce_chunk_grad(z, yl, m, ls, w, bias=None, *, softcap, dtype, one_minus_eps, eps_over_v, two_z_loss):
+    """dL/dz (C, V) in ``dtype`` (a name) for one chunk from its logits, labels, row max, log
+    sum-exp and row weights (valid / divisor) -> ((dz,), ())."""
+    return (_grad(z, bias, yl, m, ls, w, jnp.dtype(dtype), softcap=softcap, one_minus_eps=one_minus_eps,
                   eps_over_v=eps_over_v, two_z_loss=two_z_loss),), ()

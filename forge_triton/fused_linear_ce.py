@@ -8,7 +8,7 @@ columns, all rows at once, so every matmul is large even at hidden 896:
 
   pass 1, per tile: z = h @ W[tile]^T in fp32 (cuBLAS); ``_flce_stats_kernel`` folds the tile
           into each row's running max / sum-exp, target logit and logit sum (smoothing); the
-          last tile turns them into lse and the row's loss.
+          last tile turns them into the row's loss (and keeps max and log sum-exp apart).
   pass 2, only when a gradient is wanted, per tile (the last first: its z is kept from
           pass 1): recompute z; ``_flce_grad_kernel`` turns it into dL/dz in the input dtype,
           written over z's own bytes (a bf16 row over the first half of its fp32 row);
@@ -98,13 +98,18 @@ def _flce_stats_kernel(
         if SMOOTH:
             sz += tl.load(sz_ptr + row)
     if LAST:
-        # loss_i = (1-eps)(lse - z_y) + eps(lse - mean_j z_j) + z_loss lse^2; m_ptr keeps lse
-        lse = m + tl.log(s)
-        loss = lse - one_minus_eps * t + z_loss * lse * lse
+        # loss_i = (1-eps)(lse - z_y) + eps(lse - mean_j z_j) + z_loss lse^2 with lse = m + log s,
+        # formed as (1-eps)(m - z_y) + eps(m - mean_j z_j) + log s (+ z_loss lse^2): m - z_y is
+        # exact where lse - z_y would carry lse's rounding, relative to |lse| (large logits).
+        # For the same reason m_ptr keeps m and s_ptr log s for the grad kernel, not their sum.
+        log_s = tl.log(s)
+        lse = m + log_s
+        loss = one_minus_eps * (m - t) + log_s + z_loss * lse * lse
         if SMOOTH:
-            loss -= eps_over_v * sz
+            loss += (1.0 - one_minus_eps) * m - eps_over_v * sz
         tl.store(loss_ptr + row, tl.where(y != ignore_index, loss, 0.0))
-        tl.store(m_ptr + row, lse)
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, log_s)
     else:
         tl.store(m_ptr + row, m)
         tl.store(s_ptr + row, s)
@@ -113,7 +118,7 @@ def _flce_stats_kernel(
             tl.store(sz_ptr + row, sz)
 
 
-# Backward of the row loss above with p = softmax(z) = exp(z - lse), y the label, w_i = valid_i /
+# Backward of the row loss above with p = softmax(z) = exp((z - m) - log s), y the label, w_i = valid_i /
 # divisor:  dL/dz_j = w_i (p_j (1 + 2 z_loss lse) - (1-eps)[j == y] - eps/V);
 # softcap z = c tanh(r / c):  dL/dr = dL/dz (1 - tanh^2).
 # ``g_ptr`` may be ``z_ptr`` itself when both are fp32 (same element, same thread), or, with SYNC,
@@ -122,16 +127,17 @@ def _flce_stats_kernel(
 # the barrier.
 @triton.jit
 def _flce_grad_kernel(
-    z_ptr, g_ptr, bias_ptr, labels_ptr, lse_ptr, scale_ptr,  # (N, Vc) (N, Vc) (V,) (N,) (N,) ()
+    z_ptr, g_ptr, bias_ptr, labels_ptr, m_ptr, log_s_ptr, scale_ptr,  # (N, Vc) (N, Vc) (V,) (N,) (N,) (N,) ()
     stride_z, stride_g, v0, vc, softcap, ignore_index, one_minus_eps, eps_over_v, two_z_loss,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
     SYNC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(labels_ptr + row).to(tl.int64)
-    lse = tl.load(lse_ptr + row)
+    m = tl.load(m_ptr + row)
+    log_s = tl.load(log_s_ptr + row)
     w = tl.where(y != ignore_index, tl.load(scale_ptr).to(ACC), 0.0)
-    p_coef = w * (1.0 + two_z_loss * lse)
+    p_coef = w * (1.0 + two_z_loss * (m + log_s))
     for start in range(0, vc, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vc
@@ -141,7 +147,7 @@ def _flce_grad_kernel(
         if SOFTCAP:
             th = _tanh(z / softcap)
             z = softcap * th
-        g = p_coef * tl.exp(z - lse) - w * (eps_over_v + tl.where(cols == y - v0, one_minus_eps, 0.0))
+        g = p_coef * tl.exp((z - m) - log_s) - w * (eps_over_v + tl.where(cols == y - v0, one_minus_eps, 0.0))
         if SOFTCAP:
             g = g * (1.0 - th * th)
         if SYNC:  # g's row overlays the first half of z's row: every warp has read this block
@@ -211,8 +217,9 @@ def _tiles(n, v, tile_vocab):
 
 def _setup(hidden, weight, labels, bias, width, *, ignore_index, softcap, label_smoothing):
     """What both strategies hand the kernels: contiguous labels, the five (N,) row buffers
-    (running max / lse, sum-exp, target logit, logit sum, row loss), the kernels' common scalar
-    arguments and flags for tiles of ``width`` columns, and the bias argument."""
+    (running max, sum-exp (its log after the last tile), target logit, logit sum, row loss),
+    the kernels' common scalar arguments and flags for tiles of ``width`` columns, and the bias
+    argument."""
     n, v = hidden.shape[0], weight.shape[0]
     dt = hidden.dtype
     acc_t = _common.acc_torch(dt)
@@ -284,7 +291,7 @@ def flce_forward(hidden, weight, labels, bias, div, *, ignore_index, softcap, la
         g = _dz_over(z, dt)  # (N, Vc)
         if n:
             _GRAD[grid](
-                z, g, bias_arg, labels, m_buf, scale, z.stride(0), g.stride(0), v0, v1 - v0,
+                z, g, bias_arg, labels, m_buf, s_buf, scale, z.stride(0), g.stride(0), v0, v1 - v0,
                 **common, two_z_loss=2.0 * float(z_loss), **flags, SYNC=g is not z, num_warps=8,
             )
         else:
@@ -320,9 +327,9 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
         scale = _row_scale(div, acc_t)
 
     def kernels(r0, r1, z):
-        y_c, lse_c = labels[r0:r1], m_buf[r0:r1]
+        y_c, m_c, log_s_c = labels[r0:r1], m_buf[r0:r1], s_buf[r0:r1]
         _STATS[(r1 - r0,)](
-            z, bias_arg, y_c, lse_c, s_buf[r0:r1], t_buf[r0:r1], sz_buf[r0:r1], rows[r0:r1],
+            z, bias_arg, y_c, m_c, log_s_c, t_buf[r0:r1], sz_buf[r0:r1], rows[r0:r1],
             z.stride(0), 0, v, v, **common, z_loss=float(z_loss), SMOOTH=eps > 0, FIRST=True,
             LAST=True, **flags, num_warps=8,
         )
@@ -330,7 +337,7 @@ def _flce_rows(hidden, weight, labels, bias, div, *, ignore_index, softcap, labe
             return None
         g = _dz_over(z, dt)  # (C, V)
         _GRAD[(r1 - r0,)](
-            z, g, bias_arg, y_c, lse_c, scale, z.stride(0), g.stride(0), 0, v, **common,
+            z, g, bias_arg, y_c, m_c, log_s_c, scale, z.stride(0), g.stride(0), 0, v, **common,
             two_z_loss=2.0 * float(z_loss), **flags, SYNC=g is not z, num_warps=8,
         )
         return g
