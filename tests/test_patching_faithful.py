@@ -21,6 +21,7 @@ from forge import _runtime
 _runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
 
 import copy  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -253,6 +254,23 @@ def test_rope_with_cos_sin_that_require_grad_runs_hf(backend):
     # cos and sin without grad: the kernel
     attn_grads(*rope_inputs(model, False))
     assert model._forge_guard_stats.as_dict()["rope"] == {"fused": 1, "fallback": 1}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_dim_position_ids_fail_as_in_hf(backend):
+    # 1-D position_ids with a batch of 2 give 2-D cos/sin tables: HF's own function runs and
+    # raises HF's error (before, forge's kernel check named its internal cos tensor)
+    need_backend(backend)
+    model = build_model("qwen2", attn_implementation="sdpa")
+    ids, pos = torch.randint(0, model.config.vocab_size, (2, 10)), torch.arange(3, 13)
+    with pytest.raises(Exception) as want:
+        model(input_ids=ids, position_ids=pos)
+    forge.patch(model, backend=backend, kernels=["rope"], min_elements=0)
+    with pytest.raises(type(want.value), match=re.escape(str(want.value))):
+        model(input_ids=ids, position_ids=pos)
+    assert model._forge_guard_stats.as_dict()["rope"]["fallback"] == 1
+    model(input_ids=ids, position_ids=pos[None])  # (1, S): broadcast over the batch, fused
+    assert model._forge_guard_stats.as_dict()["rope"]["fused"] >= 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -259,11 +259,12 @@ def rebuilt_with(fn, inner, names: dict):
 def rope_function(kernel, orig, threshold, ks, defer=False):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # forge's kernel takes HF's 4-argument call (optionally unsqueeze_dim) with full-width
-        # cos/sin that ask no gradient (the kernel gives them none); anything else (partial
-        # rotary, legacy position_ids, a learned rotary table) runs HF's function
+        # (B or 1, S, D) cos/sin that ask no gradient (the kernel gives them none); anything else
+        # (partial rotary, legacy position_ids, a learned rotary table, 2-D tables from 1-D
+        # position_ids) runs HF's function, which also raises HF's own error where it does
         if (not args and (not kwargs or kwargs.keys() == {"unsqueeze_dim"})
                 and (q.numel() + k.numel() >= threshold or CAPTURE.on) and cos.shape[-1] == q.shape[-1]
-                and not tables_need_grad(cos, sin)):
+                and cos.dim() == 3 and not tables_need_grad(cos, sin)):
             if not _compiling():
                 ks.fused += 1
             elif defer:
