@@ -345,6 +345,57 @@ def test_a_pickled_copy_unpatches_to_own_memory(stack_on):
         assert torch.equal(p, q), n
 
 
+@pytest.mark.parametrize("then", ["state_dict", "unpatch"])
+def test_weights_pointed_elsewhere_after_patch_keep_their_memory(stack_on, then):
+    # weights the user points at memory of their own after patching (a flat buffer) are not
+    # forge's block any more: state_dict() and unpatch leave them there (they had copied every
+    # weight that sat in a larger block, so later writes to the buffer stopped reaching them)
+    model = _model()
+    ref = copy.deepcopy(model)
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    params = [p for _, p in model.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    o = 0
+    for p in params:
+        p.data = flat[o:o + p.numel()].view_as(p)
+        o += p.numel()
+    model.state_dict() if then == "state_dict" else forge.unpatch(model)
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params)
+    flat.mul_(0.5)  # reaches every weight, as in the unpatched model
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.5)
+        ids = _ids(model, 2, 3)
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_copied_layer_brings_no_hooks_past_unpatch(stack_on):
+    # a decoder layer deep-copied from an infer-patched model carries forge's saving hooks (a copy
+    # of a part comes back unpatched, its weights its own); put into the model, unpatch removes them
+    model = _model()
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    layer = copy.deepcopy(model.model.layers[1])
+    layer.self_attn.layer_idx = 0
+    assert any(m._state_dict_pre_hooks for m in layer.modules())
+    model.model.layers[0] = layer
+    forge.unpatch(model)
+    assert all(not m._state_dict_pre_hooks for m in model.modules())
+    assert all(_own_memory(p) for p in model.parameters())
+
+
+def test_a_deep_copy_stacks_and_unstacks_its_own_weights(stack_on):
+    # the copy is patched again (its parameters were copied one by one, then stacked anew): its
+    # state_dict() and unpatch give them their own memory, as the original's do
+    model = _model()
+    forge.patch(model, mode="infer", kernels=KERNELS, min_elements=0)
+    dup = copy.deepcopy(model)
+    assert not all(_own_memory(p) for p in dup.parameters())
+    dup.state_dict()
+    assert all(_own_memory(p) for p in dup.parameters())
+    forge.unpatch(dup)
+    assert all(not m._state_dict_pre_hooks for m in dup.modules())
+
+
 def test_a_failed_patch_unstacks(stack_on, monkeypatch):
     model = _model()
     import forge.patching.core as core

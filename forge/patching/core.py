@@ -180,6 +180,7 @@ def unpatch(model):
         return model
     restore(state.records)
     _run(state.undo)
+    _stacking.release(root)
     lora_dropout.release()  # the dropout draws' kept ones (the next draw of any model makes them again)
     for obj in state.chain:
         for name in _PUBLIC + copying.HOOKS:

@@ -15,7 +15,9 @@ weights are found apart again (``model.to(...)`` gave each its own tensor, or a 
 replaced), the call runs the separate products: ``stacked`` is checked on each call.
 
 ``unpatch`` gives every moved weight its own memory again (a copy, one module at a time), so the
-model's parameters are as they were; the Parameter objects never change. So does the first
+model's parameters are as they were; the Parameter objects never change. Only weights still in
+the block forge made are copied: one pointed elsewhere since (a flat buffer of the user's)
+keeps its memory and whatever shares it. So does the first
 ``state_dict()`` (a pre-hook on each module whose projections were moved): savers that keep one
 tensor per storage (accelerate's ``save_model`` dropped every view but the first one, so k, v
 and up were missing from the checkpoint) get tensors that each own their memory, and the model
@@ -83,6 +85,33 @@ def stacked(ts):
     return t0.detach().as_strided((rows,) + tuple(t0.shape[1:]), t0.stride())
 
 
+class _Group(list):
+    """The tensors of one group forge stacked, and ``block``: the (address, bytes) of the block
+    it put them in, or None once they are no longer there. Only tensors still in that block are
+    forge's to give their own memory: a weight the user pointed elsewhere since (their own flat
+    buffer, another layer's weight) keeps its memory and what shares it. A copy or a pickle of
+    the group finds its block again over the copy's tensors."""
+    block = None
+
+    def __reduce__(self):
+        return _group, (list(self),)
+
+
+def _group(ts) -> _Group:
+    g = _Group(ts)
+    g.block = _block_of(g)
+    return g
+
+
+def _block_of(ts):
+    """(address, bytes) of the storage when ``ts`` fill exactly one block, back to back in this
+    order (what :func:`_move` makes), else None."""
+    if stacked(ts) is None or ts[0].storage_offset():
+        return None
+    st = ts[0].untyped_storage()
+    return (st.data_ptr(), st.nbytes()) if st.nbytes() == sum(t.numel() * t.element_size() for t in ts) else None
+
+
 def _move(ts) -> bool:
     """Put the tensors (parameters) back to back in one new block, each keeping its object; False
     where they already lie so (tensors a loader placed back to back in one block), which unpatch
@@ -100,11 +129,17 @@ def _move(ts) -> bool:
     return True
 
 
-def _unmove(ts) -> None:
+def _unmove(g) -> int:
+    """Give each tensor of group ``g`` still in forge's block its own memory; how many."""
+    n, block = 0, getattr(g, "block", None)
     with torch.no_grad():
-        for t in ts:
-            if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # still a slice: its own memory
+        for t in g if block is not None else ():
+            st = t.untyped_storage()
+            if (st.data_ptr(), st.nbytes()) == block:
                 t.data = t.data.clone()
+                n += 1
+    g.block = None
+    return n
 
 
 def stack(modules, names, undo) -> list:
@@ -126,17 +161,28 @@ def stack(modules, names, undo) -> list:
             ts = [getattr(m, attr) for m in mods]
             if ts[0] is not None and _move(ts) and not any(len(g) == len(ts) and all(map(
                     operator.is_, g, ts)) for g in mine):
-                mine.append(ts)
+                mine.append(_group(ts))
+        for g in mine:  # (an adopted group's tensors may have been stacked only now: a deep copy's)
+            g.block = _block_of(g)
         if mine:  # (its own list: a copy of this module alone copies only its own weights)
             moved.extend(mine)
             undo.append(parent.register_state_dict_pre_hook(functools.partial(_before_saving, mine)).remove)
     return any_stacked
 
 
-def unstack(moved) -> None:
-    for ts in moved:
-        _unmove(ts)
+def unstack(moved) -> int:
+    n = sum(_unmove(g) for g in moved)
     moved.clear()
+    return n
+
+
+def release(root) -> None:
+    """At unpatch, after the patch's own undo: forge's saving hooks that are left on modules
+    under ``root`` (a part copied or loaded from a patched model and put into this one brings
+    them) go, their groups unstacked, so nothing of forge's stays on the model."""
+    for m in root.modules():
+        if m._state_dict_pre_hooks:
+            unstack(_adopted(m))
 
 
 def _before_saving(moved, module, prefix, keep_vars) -> None:
@@ -146,13 +192,12 @@ def _before_saving(moved, module, prefix, keep_vars) -> None:
     safetensors' ``save_model``) would otherwise drop or refuse the views; calls then run the
     separate products (``stacked`` finds the weights apart)."""
     global _TOLD
-    if moved:
+    if unstack(moved):
         (log.debug if _TOLD else log.info)(
             "forge: state_dict() of a model patched with mode='infer' gives its stacked q/k/v and gate/up "
             "weights their own memory again, so each saved tensor owns its storage; calls read them with "
             "separate products (unpatch and patch again to stack them; said once a process)")
         _TOLD = True
-        unstack(moved)
 
 
 def _adopted(parent) -> list:
@@ -166,7 +211,7 @@ def _adopted(parent) -> list:
     for k, h in ours:
         del parent._state_dict_pre_hooks[k]
         groups.extend(ts for ts in h.args[0] if not any(ts is g for g in groups))
-    return groups
+    return [g if isinstance(g, _Group) else _group(g) for g in groups]
 
 
 def weights(parent, names, x):
