@@ -71,6 +71,12 @@ def test_a_named_kernel_that_never_fuses_still_warns(log):
     assert any("rmsnorm" in m and "forge.NEVER" in m for m in levels(log, logging.WARNING))
 
 
+def test_no_kernel_named_warns(log):
+    model = forge.patch(build_model("qwen2"), kernels=[])
+    assert any("nothing is patched" in m for m in levels(log, logging.WARNING))
+    assert not any(model._forge_patched_counts.values())
+
+
 def test_peft_default_lora_config_does_not_warn(log):
     peft = pytest.importorskip("peft")
     device = "cuda" if HAS_CUDA else "cpu"

@@ -128,6 +128,9 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
             return model
         unpatch(model)
     mode, backend_req, min_req, requested, graphs, recompute_mlp, compile_kernels, explicit = args
+    if explicit and not requested and not graphs:
+        _report.log.warning("forge.patch(kernels=[]) names no kernel and graphs=False: nothing is patched, "
+                            "the model runs its own code (kernels=None patches every kernel)")
     p = Patcher(root, arch, mode, backend_req, min_req, requested, explicit, recompute_mlp, graphs, compile_kernels,
                 min_fused)
     # an explicitly named backend that cannot run here, or not on this model, is an error
