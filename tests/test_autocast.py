@@ -123,6 +123,37 @@ def test_fused_loss_autocast_fp32_reported_shapes(backend, vocab):
     _check("fused_linear_ce", backend, dict(GPU, vocab=vocab), torch.float32, torch.device("cuda"))
 
 
+def _scaled_step(fn, hidden, weight, labels, device, *, dtype=None, scale=1.0, items=10**6):
+    """The Trainer's fp16=True with a loss scaler: the loss over ``items`` items (gradient
+    accumulation's num_items_in_batch) times ``scale``, backward, gradients divided by it."""
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
+        loss = fn(h, w, labels, num_items_in_batch=torch.tensor(items, device=device))
+    (loss * scale).backward()
+    return {"hidden": h.grad / scale, "weight": w.grad / scale}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_loss_fp16_loss_scaling(backend, device):
+    # fp16 autocast, loss x 65536, a divisor of 1e6: dL/dz = p / 1e6 lies below fp16's range
+    # unless the scale is in it before the rounding to fp16 (formed in the forward, before the
+    # scale existed, 95% of lm_head's gradient was 0 and the errors 60-100x the bound)
+    need_backend(backend)
+    s = CPU if device.type == "cpu" else GPU
+    g = torch.Generator(device=device).manual_seed(5)
+    hidden = torch.randn(s["rows"], s["hidden"], generator=g, device=device)
+    weight = torch.randn(s["vocab"], s["hidden"], generator=g, device=device) * s["hidden"] ** -0.5
+    labels = torch.randint(0, s["vocab"], (s["rows"],), generator=g, device=device)
+    got = _scaled_step(ops.get("fused_linear_ce", backend), hidden, weight, labels, device,
+                       dtype=torch.float16, scale=65536.0)
+    eager = _scaled_step(flce_spec.reference, hidden, weight, labels, device, dtype=torch.float16, scale=65536.0)
+    ref = _scaled_step(flce_spec.reference, hidden.double(), weight.double(), labels, device)
+    red = flce_spec.reductions(hidden, weight)
+    for n in ("hidden", "weight"):
+        assert got[n].dtype == torch.float32
+        tolerance.assert_close(f"grad {n}", got[n], ref[n], eager[n], torch.float16, red[n])
+
+
 def _pin_routing(model, routes):
     """Forward hooks on a mixture of experts' routers: an empty ``routes`` is filled with each
     router's chosen experts (by module name, the float64 reference's run); a filled one replaces

@@ -139,6 +139,36 @@ def test_large_logits(backend, case, offset, device):
              reductions=spec.reductions(tensors["hidden"], tensors["weight"]))
 
 
+@pytest.mark.parametrize("backend", VARIANTS)
+@pytest.mark.parametrize("case", ["plain", "smooth_zloss_sum"])
+@pytest.mark.parametrize("shape,tile", _shapes())
+def test_float16(backend, case, shape, tile, device):
+    # float16 forms the gradients in the backward, the cotangent in every row's weight before
+    # dL/dz is rounded to fp16 (forge.ops.precomputed.DeferredGradLoss); a backward may run twice
+    kwargs, bias, ignored = CASES[case]
+    tensors, labels = _inputs(*shape, torch.float16, device, bias, ignored)
+    check_op(_with_labels(_kernel(backend, tile), labels), _with_labels(spec.reference, labels), tensors,
+             diff=tuple(tensors), kwargs=kwargs, out_names=["loss"],
+             reductions=spec.reductions(tensors["hidden"], tensors["weight"]))
+    h, w = (tensors[k].clone().requires_grad_() for k in ("hidden", "weight"))
+    loss = _kernel(backend, tile)(h, w, labels, **kwargs)
+    loss.backward(retain_graph=True)
+    first = w.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(w.grad, 2 * first, rtol=2e-3, atol=0)
+
+
+def test_float16_under_compile_runs_the_spec_loss(monkeypatch):
+    # the op pair forms the gradients in the forward, which fp16 cannot hold: under torch.compile
+    # (the op route) a float16 loss is the spec's torch code, fp32 logits
+    import forge.ops._nodes as nodes
+
+    monkeypatch.setattr(nodes, "_through_ops", lambda: True)
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float16, "cpu")
+    got = ops.get("fused_linear_ce", "triton")(tensors["hidden"], tensors["weight"], labels, tile_vocab=TILE)
+    assert torch.equal(got, spec.reference(tensors["hidden"], tensors["weight"], labels))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["plain", "softcap_bias"])
 @pytest.mark.parametrize("shape,tile", _shapes())

@@ -11,6 +11,7 @@ import torch
 
 from .. import _runtime
 from ..spec import _check
+from ..spec import fused_linear_ce as fl_spec
 from ..spec import gated_mlp as mlp_spec
 from . import autocast as _autocast
 from . import experts as _experts
@@ -79,15 +80,32 @@ def fused_linear_ce(backend: str, prepare, compute, one_pass):
             with _autocast.off(dev):
                 return fused_linear_ce(hidden, weight, labels, bias, **kwargs)
         tensors, static = prepare(hidden, weight, labels, bias, **kwargs)
+        fp16 = hidden.dtype == torch.float16
         if _through_ops():
+            if fp16:  # (the op pair forms the gradients in the forward, which fp16 cannot hold:
+                # see forge.ops.precomputed.DeferredGradLoss) the spec's torch loss, fp32 logits
+                return fl_spec.reference(hidden, weight, labels, bias, **_spec_kwargs(kwargs))
             return _pre.traced_apply(adaptor, tensors, static, hidden, weight, bias)
-        return _pre.apply(functools.partial(compute, tensors, static), hidden, weight, bias, one_pass=one_pass)
+        rescaled = functools.partial(_rescaled, compute, tensors, static) if fp16 else None
+        return _pre.apply(functools.partial(compute, tensors, static), hidden, weight, bias, one_pass=one_pass,
+                          rescaled=rescaled)
 
     fused_linear_ce.__doc__ = (f"{backend.capitalize()} fused linear cross-entropy with the signature of "
                                "forge.spec.fused_linear_ce.reference (plus the backend's strategy options, "
                                "tile_vocab and chunk_rows); its autograd node is forge.ops.precomputed.\n\n"
                                + (prepare.__doc__ or ""))
     return fused_linear_ce
+
+
+def _rescaled(compute, tensors, static, c):
+    """``compute`` over ``tensors`` with the divisor divided by the cotangent c: every row's
+    weight (valid / divisor) times c, so the gradients come out scaled (no host sync)."""
+    div = tensors[3]
+    return functools.partial(compute, (*tensors[:3], div / c.to(div.dtype), *tensors[4:]), static)
+
+
+def _spec_kwargs(kwargs):
+    return {k: v for k, v in kwargs.items() if k not in ("tile_vocab", "chunk_rows")}
 
 
 def experts(backend: str, pieces: dict, check_devices):

@@ -109,18 +109,45 @@ class PrecomputedGradLoss(torch.autograd.Function):
         return None, None, gh, gw, gb
 
 
+class DeferredGradLoss(torch.autograd.Function):
+    """float16 inputs: the loss alone in the forward, the gradients in the backward from
+    ``rescaled(c)``, a ``compute`` whose rows are weighted by c / divisor, so the cotangent c is
+    in dL/dz before it is rounded to fp16. Formed in the forward and scaled afterwards, dL/dz =
+    p / divisor underflows fp16 (its smallest step is 6e-8) wherever the divisor is large: a
+    loss scaler's factor (the Trainer's ``fp16=True``, torch's GradScaler) came too late, and
+    lm_head's gradient was 95% zeros at 1e6 items. The price: the logits product runs once more
+    (in the backward), as in eager."""
+
+    @staticmethod
+    def forward(ctx, compute, rescaled, hidden, weight, bias):
+        ctx.rescaled, ctx.h_dtype = rescaled, hidden.dtype
+        ctx.save_for_backward(hidden, weight, bias)  # (only to catch in-place changes before the backward)
+        return compute(False, False, False)[0]
+
+    @staticmethod
+    @no_double_backward("fused_linear_ce")
+    def backward(ctx, grad_out):
+        ctx.saved_tensors  # noqa: B018  (raises if an input was modified in place since the forward)
+        _, gh, gw, gb = ctx.rescaled(grad_out)(*ctx.needs_input_grad[2:5])
+        return None, None, None if gh is None else gh.to(ctx.h_dtype), gw, gb
+
+
 def apply(compute, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-          *, one_pass=None) -> torch.Tensor:
+          *, one_pass=None, rescaled=None) -> torch.Tensor:
     """The loss from ``compute``, differentiable in hidden, weight and bias through the
     gradients ``compute`` returns. ``compute(need_h, need_w, need_b)`` gets which gradients
     autograd wants (all False without grad mode or trainable inputs: then only the loss is
     formed and no graph is built) and returns (loss, grad_h, grad_W, grad_b), None for the
     unwanted ones. ``one_pass(g, c)``: a backend's fused in-place scaling (None where it does not
-    apply), used by :func:`scale_`."""
+    apply), used by :func:`scale_`. ``rescaled(c)``: where given (float16), the gradients are
+    formed in the backward by the ``compute`` it returns, its rows weighted by the cotangent c
+    (:class:`DeferredGradLoss`)."""
     grad = torch.is_grad_enabled()
     if not (grad and (hidden.requires_grad or weight.requires_grad
                       or (bias is not None and bias.requires_grad))):
         return compute(False, False, False)[0]
+    if rescaled is not None:
+        return DeferredGradLoss.apply(compute, rescaled, hidden, weight, bias)
     if one_pass is not None:
         _prepare_scale(one_pass, weight, bias)
     return PrecomputedGradLoss.apply(compute, _scaler(one_pass), hidden, weight, bias)
