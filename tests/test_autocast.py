@@ -154,6 +154,28 @@ def test_fused_loss_fp16_loss_scaling(backend, device):
         tolerance.assert_close(f"grad {n}", got[n], ref[n], eager[n], torch.float16, red[n])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_lm_head_without_autocast_raises_as_eager(backend, device):
+    # a bf16 model with an fp32 lm_head and no autocast: eager's lm_head raises; the fused loss
+    # raises too (it had cast the hidden states to fp32 and trained)
+    import forge
+    from forge.__main__ import build_model
+
+    need_backend(backend)
+    model = build_model("llama", tie_word_embeddings=False, device=device).to(torch.bfloat16)
+    model.lm_head.float()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), device=device)
+    with pytest.raises(RuntimeError):
+        model(ids, labels=ids)
+    forge.patch(model, backend=backend, min_elements=0)
+    with pytest.raises(TypeError, match="hidden is torch.bfloat16 but weight is torch.float32"):
+        model(ids, labels=ids)
+    assert model._forge_guard_stats.fused("fused_linear_ce") == 0
+    with torch.autocast(device.type, dtype=torch.bfloat16):  # under autocast both run
+        assert torch.isfinite(model(ids, labels=ids).loss)
+    assert model._forge_guard_stats.fused("fused_linear_ce") == 1
+
+
 def _pin_routing(model, routes):
     """Forward hooks on a mixture of experts' routers: an empty ``routes`` is filled with each
     router's chosen experts (by module name, the float64 reference's run); a filled one replaces

@@ -466,7 +466,9 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
         hidden = outputs.last_hidden_state  # (B, S, H)
         lm = self.lm_head
         h = hidden.reshape(-1, hidden.shape[-1])  # (B*S, H)
-        if h.dtype != w.dtype:  # autocast over fp32 weights: compute in fp32, at least as exact
+        # autocast over fp32 weights: compute in fp32, at least as exact. Without autocast the
+        # dtypes must match, as eager's lm_head needs (the kernel's check names both)
+        if h.dtype != w.dtype and torch.is_autocast_enabled(h.device.type):
             h = h.to(w.dtype)
         softcap = getattr(self.config, softcap_attr, None) if softcap_attr else None
         loss = kernel(h, w, shift.reshape(-1).to(h.device), lm.bias, ignore_index=ignore_index,
