@@ -29,6 +29,7 @@ from forge.spec import fused_linear_ce as spec
 from forge_pallas import fused_linear_ce as _k
 
 from . import core, dlpack, native
+from .kernels import check_devices
 
 # XLA keeps more scratch live around the tiled loop than the Triton path (measured on the H200:
 # 814 MiB extra at 4096 x 896 x 151936 with the Triton path's 1/16), so its tiles are narrower
@@ -113,6 +114,9 @@ def prepare(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="
     spec.check(hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
                num_items_in_batch=num_items_in_batch, softcap=softcap,
                label_smoothing=label_smoothing, z_loss=z_loss)
+    check_devices(hidden=hidden, weight=weight, labels=labels, **({} if bias is None else {"bias": bias}))
+    if not -2**31 <= ignore_index < 2**31:  # (the kernels compare int32 labels)
+        raise ValueError(f"ignore_index must fit in int32 for the pallas backend, got {ignore_index}")
     spec.check_strategy(tile_vocab, chunk_rows)
     if tile_vocab is not None:
         tile_vocab = spec.tile_width(hidden.shape[0], weight.shape[0], tile_vocab)

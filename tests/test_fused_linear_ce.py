@@ -492,12 +492,26 @@ def test_directional_derivative(backend, device):
     ({"reduction": "none"}, ValueError, "reduction must be one of"),
     ({"reduction": "sum", "num_items_in_batch": 3}, ValueError, "num_items_in_batch replaces"),
     ({"num_items_in_batch": -1}, ValueError, "num_items_in_batch must be non-negative"),
+    ({"num_items_in_batch": torch.tensor(3, device="meta")}, ValueError, "num_items_in_batch is on meta"),
     ({"softcap": -1.0}, ValueError, "softcap must be"),
     ({"label_smoothing": 1.5}, ValueError, "label_smoothing must be"),
     ({"z_loss": -1.0}, ValueError, "z_loss must be"),
 ])
 def test_argument_errors(backend, bad, exc, match, device):
     _argument_error(backend, bad, exc, match, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inputs_on_another_device(backend, device):
+    # both backends name the device before any kernel (Pallas' loss went to DLPack with meta
+    # tensors); Pallas compares int32 labels, so an ignore_index beyond int32 is refused by name
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device)
+    fn = ops.get("fused_linear_ce", backend)
+    with pytest.raises(ValueError, match="hidden is on meta"):
+        fn(tensors["hidden"].to("meta"), tensors["weight"].to("meta"), labels.to("meta"))
+    if backend == "pallas":
+        with pytest.raises(ValueError, match="ignore_index must fit in int32"):
+            fn(tensors["hidden"], tensors["weight"], labels.clamp(min=0), ignore_index=2**31 + 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -309,6 +309,24 @@ def test_gated_mlp_bad_input(backend, device):
         ops.get("gated_mlp", backend)(x, wg, wu, wd, act="relu")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gated_mlp_bad_input_after_a_good_call(backend, device):
+    # the per-call fast check (after a call of the same dtype passed the full checks) hands
+    # anything it cannot vouch for to the full checks: it read x.get_device(), -1 on both the
+    # CPU and meta (a meta call reached the kernels), and a 0-d x or a None raised inside it
+    f = ops.get("gated_mlp", backend)
+    x, wg, wu, wd = _mlp_inputs((2, 8, 16), torch.float32, device)
+    f(x, wg, wu, wd)
+    with pytest.raises(ValueError, match="x is on meta"):
+        f(*(t.to("meta") for t in (x, wg, wu, wd)))
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        f(x[0, 0, 0], wg, wu, wd)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        f(None, wg, wu, wd)
+    with pytest.raises(TypeError, match="w_gate must be a torch.Tensor"):
+        f(x, 1.0, wu, wd)
+
+
 @pytest.mark.parametrize("key,args,name", [
     ("rmsnorm", lambda t: (t, None, 1e-6), "weight"),
     ("swiglu", lambda t: (t, 3), "up"),

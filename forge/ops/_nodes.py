@@ -43,17 +43,11 @@ def gated_mlp(backend: str, mlp_act, check_devices):
             with _autocast.off(x.device.type):
                 return gated_mlp(x, w_gate, w_up, w_down, act=act, recompute=recompute)
         compiling = _through_ops()
-        # the common case in attribute reads; anything else takes the full checks, which raise
-        if compiling or not (
-                x.dtype in _FLOATS and x.dtype is w_gate.dtype is w_up.dtype is w_down.dtype
-                and w_gate.dim() == 2 and w_down.dim() == 2 and w_gate.shape == w_up.shape
-                and w_gate.shape[1] == x.shape[-1] == w_down.shape[0] and w_down.shape[1] == w_gate.shape[0]
-                and x.get_device() == w_gate.get_device() == w_up.get_device() == w_down.get_device()
-                and (x.get_device(), x.dtype, act) in ok):
+        if compiling or not _mlp_checked(ok, x, w_gate, w_up, w_down, act):
             mlp_spec.check(x, w_gate, w_up, w_down, act)
             check_devices(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
             if not compiling:
-                ok.add((x.get_device(), x.dtype, act))
+                ok.add((x.device, x.dtype, act))
         if x.numel() == 0 or w_gate.shape[0] == 0:
             return mlp_spec.reference(x, w_gate, w_up, w_down, act=act)
         if compiling:
@@ -64,6 +58,20 @@ def gated_mlp(backend: str, mlp_act, check_devices):
     gated_mlp.__doc__ = f"{backend.capitalize()} gated MLP (forge.spec.gated_mlp): torch's products around the " \
                         "backend's GLU kernels, one autograd node (forge.ops.gated_mlp)."
     return gated_mlp
+
+
+def _mlp_checked(ok, x, w_gate, w_up, w_down, act) -> bool:
+    """The common case in attribute reads: float tensors of one dtype and device whose shapes
+    fit, on a (device, dtype, act) that passed the full checks before. False for anything else
+    (an argument that is not a tensor, a 0-d x: the full checks then raise, naming it)."""
+    try:
+        return (x.dtype in _FLOATS and x.dtype is w_gate.dtype is w_up.dtype is w_down.dtype
+                and w_gate.dim() == 2 and w_down.dim() == 2 and w_gate.shape == w_up.shape
+                and w_gate.shape[1] == x.shape[-1] == w_down.shape[0] and w_down.shape[1] == w_gate.shape[0]
+                and x.device == w_gate.device == w_up.device == w_down.device
+                and (x.device, x.dtype, act) in ok)
+    except (AttributeError, IndexError, TypeError):
+        return False
 
 
 def fused_linear_ce(backend: str, prepare, compute, one_pass):

@@ -70,6 +70,9 @@ def check(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="me
             if num_items_in_batch.numel() != 1:
                 raise ValueError("num_items_in_batch must be a scalar, got shape "
                                  f"{tuple(num_items_in_batch.shape)}")
+            if num_items_in_batch.device not in (hidden.device, torch.device("cpu")):
+                raise ValueError(f"num_items_in_batch is on {num_items_in_batch.device}; it must be on hidden's "
+                                 f"device ({hidden.device}) or a CPU scalar")
         elif not isinstance(num_items_in_batch, int | float) or isinstance(num_items_in_batch, bool):
             raise TypeError("num_items_in_batch must be a number or a tensor, got "
                             f"{type(num_items_in_batch).__name__}")
