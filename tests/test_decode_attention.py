@@ -92,6 +92,8 @@ def test_bad_input_is_a_clear_error(backend, device):
         f(q, k, v, torch.ones(2, 6, dtype=torch.bool, device=device))
     with pytest.raises(TypeError, match="bool .* or float"):
         f(q, k, v, torch.ones(2, 5, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match="mask must be a torch.Tensor or None, got list"):
+        f(q, k, v, [[True] * 5] * 2)
     with pytest.raises(ValueError, match="no keys"):
         f(q, k[:, :, :0], v[:, :, :0])
     with pytest.raises(TypeError, match="q is torch.float32 but k is torch.float16"):

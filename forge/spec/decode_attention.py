@@ -32,6 +32,8 @@ def check(q, k, v, mask=None, scale=None) -> None:
     if q.dim() != 3 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q must be (B, H, D) and k, v (B, H_kv, S, D), got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
     _check.same_device(q=q, k=k, v=v, mask=mask)
     _check.same_dtype("q", q, "k", k)
     _check.same_dtype("q", q, "v", v)
@@ -44,8 +46,6 @@ def check(q, k, v, mask=None, scale=None) -> None:
     if k.shape[1] == 0 or h % k.shape[1]:
         raise ValueError(f"q's {h} heads are not a multiple of the cache's {k.shape[1]} KV heads")
     if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
         if mask.dtype is not torch.bool and not mask.dtype.is_floating_point:
             raise TypeError(f"mask must be bool (True = attend) or float (added to the scores), got {mask.dtype}")
         if tuple(mask.shape) != (b, k.shape[2]):
