@@ -390,6 +390,34 @@ def test_call_time_state_and_later_adapters():
     assert stats.fused("lora_qkv") == 2 and stats.fused("lora_mlp") == 2
 
 
+def test_mixed_adapter_batches_and_hooked_projections_run_peft():
+    # peft's mixed-batch inference (adapter_names=) routes rows through forward pre-hooks on each
+    # LoRA layer, and a user's hook on a projection changes its output: the fused kernels read the
+    # weights without calling the layers, so such calls run peft's code (the MLP's had ignored
+    # the hooks: adapter "b"'s row 1.04 off, its greedy tokens others)
+    pm = lora_model("qwen2")
+    pm.add_adapter("b", peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False))
+    eager = copy.deepcopy(pm).eval()
+    forge.patch(pm, min_elements=0)
+    pm.eval()
+    ids = batch(pm, "cpu")
+    with torch.no_grad():
+        want = eager(input_ids=ids, adapter_names=["default", "b"]).logits
+        assert (want[1] - eager(input_ids=ids).logits[1]).abs().max() > 0.1  # "b" matters
+        got = pm(input_ids=ids, adapter_names=["default", "b"]).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert pm._forge_guard_stats.fused("lora_mlp") == 0
+    up = pm.base_model.model.model.layers[0].mlp.up_proj
+    handle = up.register_forward_hook(lambda m, a, out: out * 0.5)
+    eager.base_model.model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, a, out: out * 0.5)
+    pm.train()
+    eager.train()
+    try:
+        torch.testing.assert_close(step(pm, ids)[0], step(eager, ids)[0], rtol=1e-5, atol=1e-6)
+    finally:
+        handle.remove()
+
+
 def test_repatch_picks_up_new_lora_layers():
     model = build_model("qwen2")
     forge.patch(model, backend="triton", kernels=LORA)

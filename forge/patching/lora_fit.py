@@ -17,6 +17,29 @@ def peft_linear():
     return Linear
 
 
+def _hooked(mod) -> bool:
+    """``mod`` has hooks or a forward of its own instance (peft's per-call ``adapter_names``
+    pre-hooks, accelerate's offloading hooks, a user's hook): the fused kernels read its weights
+    without calling it, so its own code must run instead."""
+    d = mod.__dict__
+    f = d.get("forward")
+    return bool((f is not None and not _forges(f)) or d.get("_forward_pre_hooks") or d.get("_forward_hooks")
+                or d.get("_backward_hooks") or d.get("_backward_pre_hooks"))
+
+
+def _forges(f) -> bool:
+    """An instance forward forge installed (the q/k/v slots, lora_o's): forge's own module's code."""
+    return getattr(getattr(f, "__func__", None), "__module__", "").startswith("forge.")
+
+
+def _hooked_reason(*mods) -> str | None:
+    for m in mods:
+        if m is not None and _hooked(m):
+            return (f"{type(m).__name__} has hooks or its own forward (peft's adapter_names, accelerate's "
+                    "offloading, a user's hook): its code runs, not the kernels' direct weight reads")
+    return None
+
+
 def misfit(layer, lora_linear, *, bias_ok: bool, call: bool = True) -> str | None:
     """Why ``layer`` cannot run fused (None when it can), in words for ``_forge_skipped``. At
     patch time (``call=False``) the weight's type is not checked (FSDP2 has it sharded until the
@@ -51,6 +74,11 @@ def misfit(layer, lora_linear, *, bias_ok: bool, call: bool = True) -> str | Non
         return "base weight is trainable (the fused kernels keep it frozen)"
     if base.bias is not None and not bias_ok:
         return "base layer has a bias"
+    hooked = _hooked_reason(layer, base, layer.lora_A[name], layer.lora_B[name])
+    if hooked:
+        return hooked
+    if base.weight.is_meta:
+        return "base weight is on the meta device (offloaded or not loaded)"
     a = layer.lora_A[name].weight
     if call and type(base.weight) is not nn.Parameter and type(base.weight) is not torch.Tensor:
         return f"base weight is a {type(base.weight).__name__} (sharded or quantized)"
@@ -101,10 +129,12 @@ def fused_params(layer, lora_linear, bias_ok: bool):
         lb, base = mods["lora_B"]._modules[name], mods["base_layer"]
         if type(base) is not nn.Linear or la._parameters.get("bias") is not None:
             return None
+        if _hooked(layer) or _hooked(base) or _hooked(la) or _hooked(lb):
+            return None
         if lb._parameters.get("bias") is not None:
             return None
         w, bias, a = base._parameters["weight"], base._parameters["bias"], la._parameters["weight"]
-        if w.requires_grad or (bias is not None and (bias.requires_grad or not bias_ok)):
+        if w.requires_grad or (bias is not None and (bias.requires_grad or not bias_ok)) or w.is_meta:
             return None
         if (type(w) is not nn.Parameter and type(w) is not torch.Tensor) or (
                 a.dtype != w.dtype and not d.get("cast_input_dtype_enabled", True)):
@@ -123,6 +153,11 @@ def plain_misfit(mod, *, bias_ok: bool, call: bool = True) -> str | None:
         return "weight is trainable (the fused kernels keep base weights frozen)"
     if mod.bias is not None and not bias_ok:
         return "has a bias"
+    hooked = _hooked_reason(mod)
+    if hooked:
+        return hooked
+    if mod.weight.is_meta:
+        return "weight is on the meta device (offloaded or not loaded)"
     if call and type(mod.weight) is not nn.Parameter and type(mod.weight) is not torch.Tensor:
         return f"weight is a {type(mod.weight).__name__} (sharded or quantized)"
     return None
@@ -134,7 +169,7 @@ def plain_params(mod, bias_ok: bool):
         return None
     ps = mod._parameters
     w, bias = ps["weight"], ps["bias"]
-    if w.requires_grad or (bias is not None and (bias.requires_grad or not bias_ok)):
+    if w.requires_grad or (bias is not None and (bias.requires_grad or not bias_ok)) or w.is_meta or _hooked(mod):
         return None
     if type(w) is not nn.Parameter and type(w) is not torch.Tensor:
         return None
