@@ -412,3 +412,70 @@ def test_pallas_defaults_follow_its_launch_path(monkeypatch):
     assert threshold(False) == NEVER  # tables["pallas-dlpack"]["infer"]
     monkeypatch.setattr(forge, "MIN_FUSED_ELEMENTS", {"triton": 0, "pallas": 7})  # no dlpack entry: "pallas"
     assert threshold(False) == 7
+
+
+def _forge_forwards(model):
+    return [n for n, m in model.named_modules()
+            if getattr(getattr(m.__dict__.get("forward"), "__func__", None), "__module__", "").startswith("forge.")]
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_patched_then_offloaded_by_accelerate(mode):
+    # patch, then accelerate's cpu_offload (its hooks wrap forge's forwards and load each
+    # module's weights from the meta device per call): the outputs equal the unpatched model's
+    # under the same hooks; unpatch gives the hooks the module's own forward (it had removed the
+    # hooks with forge's forwards: the next call ran on meta weights), and removing the hooks
+    # afterwards brings no forge forward back
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.hooks import remove_hook_from_module
+
+    ref = build_model("qwen2").eval()
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 8))
+    forge.patch(model, mode=mode, min_elements=0)
+    accelerate.cpu_offload(ref, execution_device="cpu")
+    accelerate.cpu_offload(model, execution_device="cpu")
+    with torch.no_grad():
+        want = ref(ids).logits
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        hooked = {n for n, m in model.named_modules() if "_hf_hook" in m.__dict__}
+        forge.unpatch(model)
+        assert hooked and hooked == {n for n, m in model.named_modules() if "_hf_hook" in m.__dict__}
+        assert all("forward" in model.get_submodule(n).__dict__ for n in hooked)  # the hooks' forwards
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+    remove_hook_from_module(model, recurse=True)
+    assert not _forge_forwards(model) and not forge.report(model).patched
+
+
+def test_lora_patched_then_offloaded_runs_peft_on_meta_weights():
+    # the fused LoRA kernels read weights directly: on layers accelerate offloaded (meta weights,
+    # loaded by a hook per call) peft's code runs (the kernel had received a meta base weight)
+    accelerate = pytest.importorskip("accelerate")
+    peft = pytest.importorskip("peft")
+    cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(**cfg))
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 256, (2, 8))
+    forge.patch(model, min_elements=0)
+    accelerate.cpu_offload(ref, execution_device="cpu")
+    accelerate.cpu_offload(model, execution_device="cpu")
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_unpatch_finishes_when_an_undo_step_raises(caplog):
+    # one undo step raising (transformers' hub kernels turned back on over a model accelerate
+    # offloaded to meta) is logged; the rest of unpatch still runs
+    model = forge.patch(build_model("qwen2"), min_elements=0)
+
+    def boom():
+        raise ValueError("boom")
+
+    model._forge_state.undo.append(boom)
+    with caplog.at_level(logging.WARNING, logger="forge"):
+        forge.unpatch(model)
+    assert any("boom" in r.getMessage() for r in caplog.records)
+    assert not forge.report(model).patched and not _forge_forwards(model)
+    assert not [k for k in model.__dict__ if k.startswith("_forge")]

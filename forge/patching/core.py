@@ -232,8 +232,15 @@ def _hub_kernels_off(root) -> list:
 
 
 def _run(calls) -> None:
+    """Run the undo calls, newest first, every one of them: one that raises is logged and the
+    rest still run (turning transformers' hub kernels back on raises on a model whose weights
+    accelerate offloaded to the meta device; the model is otherwise restored)."""
     for call in reversed(calls):
-        call()
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001
+            _report.log.warning("forge: a step of undoing the patch failed and was skipped: %s: %s",
+                                type(e).__name__, e)
 
 
 # ---------------------------------------------------------------------------------------------

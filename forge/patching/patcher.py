@@ -9,6 +9,7 @@ no backend can run the kernel); ``wants(key)`` (requested and allowed in this mo
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 
@@ -223,6 +224,14 @@ def restore(records) -> None:
     """Undo replace_forward / replace_method records, newest first: delete the instance attribute,
     or put back the one that was there, so the module's forward is again exactly what it was."""
     for module, had, old, _key, name, ours in reversed(records):
+        d = module.__dict__
+        if d.get(name) is not ours and d.get("_old_forward") is ours and "_hf_hook" in d:
+            # accelerate's hook (dispatch, offloading) wraps forge's forward and calls the one in
+            # _old_forward: that gets the module's own back, the hook stays as it works unpatched
+            d["_old_forward"] = old if had else types.MethodType(type(module).forward, module)
+            for hook in copying.HOOKS:
+                d.pop(hook, None)
+            continue
         if module.__dict__.get(name) is not ours:
             log.warning("forge.unpatch: %s.%s was replaced after forge.patch (accelerate's prepare, which the "
                         "HF Trainer calls, wraps a model's forward around forge's for mixed precision): the "
