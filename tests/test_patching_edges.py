@@ -479,3 +479,13 @@ def test_unpatch_finishes_when_an_undo_step_raises(caplog):
     assert any("boom" in r.getMessage() for r in caplog.records)
     assert not forge.report(model).patched and not _forge_forwards(model)
     assert not [k for k in model.__dict__ if k.startswith("_forge")]
+
+
+def test_patching_after_dispatch_says_why_nothing_is_patched():
+    # accelerate's hooks own every module's forward: forge leaves them, and its reasons say so
+    accelerate = pytest.importorskip("accelerate")
+    model = build_model("qwen2").eval()
+    accelerate.cpu_offload(model, execution_device="cpu")
+    forge.patch(model, min_elements=0)
+    assert "patch before dispatching" in model._forge_skipped["rmsnorm"]
+    assert not any(model._forge_patched_counts.get(k) for k in ("rmsnorm", "swiglu", "rope"))

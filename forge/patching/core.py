@@ -260,6 +260,7 @@ def _walk(root, arch, p):
         if "forward" in mod.__dict__ or not _hf_forward(cls):
             # replaced by someone else (e.g. accelerate hooks) or not HF code: leave it
             lora_mlps += p.is_replaced(mod) and cls.__name__.endswith(_arch.MLP_SUFFIX)
+            p.foreign += "forward" in mod.__dict__ and not p.is_replaced(mod)
             continue
         cname, leaf = cls.__name__, name.rpartition(".")[2]
         if cname.endswith(_arch.NORM_SUFFIX) and leaf in arch.norms:
@@ -287,7 +288,9 @@ def _ready(p, key, found, what):
     if not p.wants(key):
         return None
     if not found:
-        p.skip(key, f"no {what} found in {p.arch.model_type} model")
+        why = (f" ({p.foreign} modules have a forward of their own instance, which forge leaves alone: "
+               "accelerate's dispatch or offloading hooks? patch before dispatching)") if p.foreign else ""
+        p.skip(key, f"no {what} found in {p.arch.model_type} model{why}")
         return None
     try:
         return p.kernel(key)

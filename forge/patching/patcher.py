@@ -54,6 +54,7 @@ class Patcher:
         self._by_id: dict[int, list] = {}
         self.quiet: set[str] = set()         # skips that only say a kernel does not apply
         self.undo: list = []                 # callables unpatch runs (and a failed patch), e.g. unstacking
+        self.foreign = 0                     # modules the walk left: a forward of their instance, not forge's
         # where the kernels would run: a backend that cannot run there is declined at patch time
         params = list(root.parameters())
         self.device_types = frozenset(t.device.type for t in params)
