@@ -223,7 +223,12 @@ def _hub_kernels_off(root) -> list:
     if not getattr(root, "use_kernels", False):
         return []
     config = getattr(root, "kernel_config", None)
-    root.set_use_kernels(False)
+    try:
+        root.set_use_kernels(False)
+    except Exception as e:  # noqa: BLE001  (transformers cannot kernelize meta weights: offloaded)
+        _report.log.warning("forge.patch: transformers' hub kernels (use_kernels) could not be turned off for "
+                            "this model (%s: %s); they stay on", type(e).__name__, e)
+        return []
     _report.log.info("forge.patch: transformers' hub kernels (use_kernels) are off for this model while "
                      "it is patched: train()/eval() would kernelize it again over forge's RMSNorm; "
                      "forge.unpatch turns them back on")
