@@ -246,7 +246,8 @@ def _kernel_passes(sms: int = SMS[0]):
                        lambda m: (a(m, 4096, dt=f32), None, a(m, dt=jnp.int32), (a(m, dt=f32),) * 4), rows),
         "flce_grad": (functools.partial(flce._grad, dtype=bf, softcap=30.0, one_minus_eps=0.9,
                                         eps_over_v=1e-5, two_z_loss=0.0),
-                      lambda m: (a(m, 4096, dt=f32), None, a(m, dt=jnp.int32), a(m, dt=f32), a(m, dt=f32)), rows),
+                      lambda m: (a(m, 4096, dt=f32), None, a(m, dt=jnp.int32), a(m, dt=f32), a(m, dt=f32),
+                                 a(m, dt=f32)), rows),
         # grad_W's chunk rows: a bucket (a multiple of the 64-row step or not; fewer than 64 rows
         # take a narrower step), here the ragged one
         "flce_grad_w": (flce._gw_accumulate, lambda m: (a(4096, h), a(m, 4096), a(m, h)), (4097, 8191, 65)),
