@@ -21,10 +21,11 @@ def _hooked(mod) -> bool:
     """``mod`` has hooks or a forward of its own instance (peft's per-call ``adapter_names``
     pre-hooks, accelerate's offloading hooks, a user's hook): the fused kernels read its weights
     without calling it, so its own code must run instead."""
-    d = mod.__dict__
+    d = mod.__dict__  # (an nn.Module's hook dicts are always there; read on every call: no getattr)
+    if d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]:
+        return True
     f = d.get("forward")
-    return bool((f is not None and not _forges(f)) or d.get("_forward_pre_hooks") or d.get("_forward_hooks")
-                or d.get("_backward_hooks") or d.get("_backward_pre_hooks"))
+    return f is not None and not _forges(f)
 
 
 def _forges(f) -> bool:

@@ -226,22 +226,20 @@ def restore(records) -> None:
     or put back the one that was there, so the module's forward is again exactly what it was."""
     for module, had, old, _key, name, ours in reversed(records):
         d = module.__dict__
-        if d.get(name) is not ours and d.get("_old_forward") is ours and "_hf_hook" in d:
-            # accelerate's hook (dispatch, offloading) wraps forge's forward and calls the one in
-            # _old_forward: that gets the module's own back, the hook stays as it works unpatched
-            d["_old_forward"] = old if had else types.MethodType(type(module).forward, module)
-            for hook in copying.HOOKS:
-                d.pop(hook, None)
-            continue
-        if module.__dict__.get(name) is not ours:
+        for hook in copying.HOOKS:
+            d.pop(hook, None)
+        if d.get(name) is not ours:
+            if d.get("_old_forward") is ours and "_hf_hook" in d:
+                # accelerate's hook (dispatch, offloading) wraps forge's forward and calls the one
+                # in _old_forward: that gets the module's own back, the hook stays as unpatched
+                d["_old_forward"] = old if had else types.MethodType(type(module).forward, module)
+                continue
             log.warning("forge.unpatch: %s.%s was replaced after forge.patch (accelerate's prepare, which the "
                         "HF Trainer calls, wraps a model's forward around forge's for mixed precision): the "
                         "replacement is removed with forge's, and the module runs its own %s without it. "
                         "Unpatch before wrapping the model to keep such a wrapper", type(module).__name__, name, name)
-        for hook in copying.HOOKS:
-            module.__dict__.pop(hook, None)
         if had:
-            module.__dict__[name] = old
+            d[name] = old
         else:
-            module.__dict__.pop(name, None)
+            d.pop(name, None)
 
