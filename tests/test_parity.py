@@ -341,3 +341,34 @@ def test_non_tensor_argument_is_named(backend, key, args, name, device):
     t = torch.randn(4, 8, device=device)
     with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
         ops.get(key, backend)(*args(t))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_size_weights_are_refused_by_name(backend, device):
+    # an adapter of rank 0, a vocabulary of 0 or experts of width 0 crashed inside the backends
+    # (a division by a zero block count, a reshape of 0 elements) where the reference returned
+    need_backend(backend)
+    x = torch.randn(3, 8, device=device)
+    w = torch.randn(6, 8, device=device)
+    a0, b0 = torch.randn(0, 8, device=device), torch.randn(6, 0, device=device)
+    with pytest.raises(ValueError, match=r"a has a dimension of size 0 .*rank at least 1"):
+        ops.get("lora_o", backend)(x, w, None, a0, b0, scale=1.0)
+    with pytest.raises(ValueError, match="w has a dimension of size 0"):
+        ops.get("lora_o", backend)(x, w[:0], None, a0[:, :8].new_ones(2, 8), b0.new_ones(0, 2), scale=1.0)
+    with pytest.raises(ValueError, match="w has a dimension of size 0"):
+        ops.get("lora_o", backend)(x[:, :0], w[:, :0], None, x.new_ones(2, 0), x.new_ones(6, 2), scale=1.0)
+    labels = torch.zeros(3, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="weight has a dimension of size 0"):
+        ops.get("fused_linear_ce", backend)(x, w[:0], labels.fill_(-100))
+    top = torch.zeros(3, 1, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="gate_up_proj has a dimension of size 0"):
+        ops.get("experts", backend)(x, top, torch.ones(3, 1, device=device), torch.randn(2, 0, 8, device=device),
+                                    torch.randn(2, 8, 0, device=device))
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1.0, True])
+def test_rope_unsqueeze_dim_must_be_an_int(unsqueeze_dim):
+    q = torch.randn(1, 2, 4, 8)
+    cos = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="unsqueeze_dim must be 1"):
+        rope_spec.check_args(q, q, cos, cos, unsqueeze_dim)

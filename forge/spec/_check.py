@@ -17,6 +17,14 @@ def tensor(name: str, t, *, min_dim: int = 1) -> None:
         raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
 
 
+def no_empty_dims(name: str, t, what: str = "a weight") -> None:
+    """Every dimension of ``t`` at least 1: the kernels tile over these sizes, and a zero one (an
+    adapter of rank 0, a vocabulary or expert width of 0) has no meaning as ``what``."""
+    if 0 in t.shape:
+        raise ValueError(f"{name} has a dimension of size 0 (shape {tuple(t.shape)}); {what} needs every "
+                         "dimension at least 1")
+
+
 def same_device(**named) -> None:
     items = [(k, v) for k, v in named.items() if v is not None]
     dev = items[0][1].device

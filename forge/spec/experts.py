@@ -91,6 +91,7 @@ def check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: str 
                          f"{tuple(down_proj.shape)} must be 3-D (E, 2I, H) and (E, H, I)")
     t, h = hidden.shape
     e, two_i, hw = gate_up_proj.shape
+    _check.no_empty_dims("gate_up_proj", gate_up_proj, "the experts' weights")
     if hw != h or two_i % 2:
         raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} must be (E, 2I, {h}) for hidden "
                          f"of width {h}")

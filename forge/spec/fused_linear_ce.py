@@ -46,6 +46,7 @@ def check(hidden, weight, labels, bias=None, *, ignore_index=-100, reduction="me
         raise ValueError(f"hidden must be 2-D (tokens, hidden), got shape {tuple(hidden.shape)}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (vocab, hidden), got shape {tuple(weight.shape)}")
+    _check.no_empty_dims("weight", weight, "the output layer (vocabulary and width)")
     if weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has width {weight.shape[1]} but hidden has width {hidden.shape[1]}")
     _check.same_dtype("hidden", hidden, "weight", weight)

@@ -66,6 +66,7 @@ def _proj_args(name, x, w, bias, a, b, scale, *, width=None, in_name="x", option
     _check.tensor(n("w"), w, min_dim=2)
     if w.dim() != 2:
         raise ValueError(f"{n('w')} must be 2-D, got {tuple(w.shape)}")
+    _check.no_empty_dims(n("w"), w)
     h = x.shape[-1] if width is None else width
     if w.shape[1] != h:
         raise ValueError(f"{n('w')} has {w.shape[1]} input features but {in_name} has {h}")
@@ -87,6 +88,7 @@ def _proj_args(name, x, w, bias, a, b, scale, *, width=None, in_name="x", option
     _check.tensor(n("b"), b, min_dim=2)
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"{n('a')} and {n('b')} must be 2-D, got {tuple(a.shape)}, {tuple(b.shape)}")
+    _check.no_empty_dims(n("a"), a, "an adapter (rank at least 1)")
     if a.shape[1] != h:
         raise ValueError(f"{n('a')} has {a.shape[1]} input features but {in_name} has {h}")
     if b.shape[0] != w.shape[0]:

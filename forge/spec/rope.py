@@ -37,7 +37,7 @@ def check_args(q, k, cos, sin, unsqueeze_dim: int = 1) -> None:
         _check.tensor(name, t)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be 4-D, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if unsqueeze_dim not in (1, 2):
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or unsqueeze_dim not in (1, 2):
         raise ValueError(f"unsqueeze_dim must be 1 (B,H,S,D) or 2 (B,S,H,D), got {unsqueeze_dim}")
     _check.same_device(q=q, k=k, cos=cos, sin=sin)
     _check.same_dtype("q", q, "k", k)
