@@ -99,3 +99,21 @@ def test_lora_kernels_asked_for_by_name_warn_when_they_do_not_apply(log):
     warn = levels(log, logging.WARNING)
     assert not any("lora_qkv declined" in m for m in warn)  # q and v fused, k plain in the call
     assert sum("lora_mlp declined" in m for m in warn) == 1
+
+
+@pytest.mark.parametrize("case", ["lm_head_adapter", "ln_tuning"])
+def test_peft_wrapped_head_or_norms_are_declined_with_the_wrapper_named(case, log):
+    # the reasons named the wrong cause: "no nn.Linear lm_head over a decoder (not a
+    # *ForCausalLM)" for a LoRA on lm_head, "no RMSNorm modules named ... found" for LN tuning
+    peft = pytest.importorskip("peft")
+    device = "cuda" if HAS_CUDA else "cpu"
+    if case == "lm_head_adapter":
+        cfg = peft.LoraConfig(r=4, target_modules=["lm_head"])
+        key, want = "fused_linear_ce", "lm_head is a Linear (from peft)"
+    else:
+        cfg = peft.LNTuningConfig(target_modules=["input_layernorm", "post_attention_layernorm", "norm"])
+        key, want = "rmsnorm", "RMSNorm modules are wrapped"
+    pm = peft.get_peft_model(build_model("qwen2", device=device), cfg)
+    forge.patch(pm, kernels=[key])
+    assert want in pm._forge_skipped[key]
+    assert any(f"{key} declined" in m and want in m for m in levels(log, logging.WARNING))

@@ -259,7 +259,7 @@ def _hf_forward(cls) -> bool:
 
 def _walk(root, arch, p):
     norms, mlps, attns, experts, routers = [], [], [], [], []
-    lora_mlps = 0
+    lora_mlps = wrapped = 0
     for name, mod in root.named_modules():
         cls = type(mod)
         if "forward" in mod.__dict__ or not _hf_forward(cls):
@@ -270,6 +270,8 @@ def _walk(root, arch, p):
         cname, leaf = cls.__name__, name.rpartition(".")[2]
         if cname.endswith(_arch.NORM_SUFFIX) and leaf in arch.norms:
             norms.append(mod)
+        elif cname.endswith(_arch.NORM_SUFFIX) and not set(name.split(".")[:-1]).isdisjoint(arch.norms):
+            wrapped += 1  # a copy inside a wrapper (peft's LN tuning, modules_to_save): left to it
         elif cname.endswith(_arch.MLP_SUFFIX):
             mlps.append((name, mod))
         elif cname.endswith(_arch.ATTN_SUFFIX):
@@ -278,7 +280,7 @@ def _walk(root, arch, p):
             experts.append((name, mod))
         elif _experts.is_router(cls, mod):
             routers.append(mod)
-    _apply_rmsnorm(p, arch, norms)
+    _apply_rmsnorm(p, arch, norms, wrapped)
     if experts and not mlps and p.wants(arch.glu):
         p.skip(arch.glu, "every MLP of this model is a mixture of experts (the experts kernel)", applies=False)
     _apply_glu(p, arch, mlps, lora_mlps)
@@ -304,7 +306,11 @@ def _ready(p, key, found, what):
         return None
 
 
-def _apply_rmsnorm(p, arch, norms):
+def _apply_rmsnorm(p, arch, norms, wrapped=0):
+    if wrapped and not norms and p.wants("rmsnorm"):
+        p.skip("rmsnorm", f"the {wrapped} RMSNorm modules are wrapped (peft's LN tuning or modules_to_save?): "
+                          "their wrappers run them")
+        return
     kernel = _ready(p, "rmsnorm", norms, f"RMSNorm modules named {arch.norms}")
     if kernel is None:
         return
@@ -448,6 +454,9 @@ def _apply_fused_ce(root, arch, p):
         return
     lm = getattr(root, "lm_head", None)
     decoder = getattr(root, getattr(root, "base_model_prefix", "model"), None)
+    if isinstance(lm, nn.Module) and not isinstance(lm, nn.Linear) and isinstance(decoder, nn.Module):
+        p.skip(key, fw.head_declines(root))  # (a peft wrapper: an adapter, modules_to_save, trainable tokens)
+        return
     if not isinstance(lm, nn.Linear) or not isinstance(decoder, nn.Module):
         p.skip(key, f"{type(root).__name__} has no nn.Linear lm_head over a decoder (not a *ForCausalLM)",
                applies=False)

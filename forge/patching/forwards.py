@@ -75,7 +75,9 @@ def head_declines(model) -> str | None:
     silently skipped."""
     lm = getattr(model, "lm_head", None)
     if type(lm) is not nn.Linear or "forward" in lm.__dict__:
-        return f"lm_head is a {type(lm).__name__}{' with its own forward' * isinstance(lm, nn.Linear)}"
+        pkg = type(lm).__module__.partition(".")[0]
+        return (f"lm_head is a {type(lm).__name__}{' with its own forward' * isinstance(lm, nn.Linear)}"
+                + (f" (from {pkg})" if pkg != "torch" else ""))
     if (lm._forward_hooks or lm._forward_pre_hooks or lm._backward_hooks or lm._backward_pre_hooks
             or _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks):
         return "lm_head has module hooks (the fused loss never calls it)"
