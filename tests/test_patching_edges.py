@@ -162,6 +162,43 @@ def test_copy_of_one_layer_is_unpatched_and_shallow_copy_shares(qwen2):
     assert shallow.model is qwen2.model and shallow._forge_patched_counts == {"rmsnorm": 5}
 
 
+def test_unpatching_a_shallow_copy_leaves_no_half_patched_original(qwen2):
+    # the shared modules are unpatched with it: the original said it was still patched
+    forge.patch(qwen2, mode="infer", kernels=["rmsnorm"], min_elements=NEVER)
+    forge.unpatch(copy.copy(qwen2))
+    assert not forge.report(qwen2).patched and not forge_entries(qwen2)
+
+
+@pytest.mark.parametrize("wrap", ["peft", "compile"])
+def test_deepcopy_of_a_wrapper_made_after_patching_keeps_the_wrapper(qwen2, wrap):
+    # PeftModel and torch.compile's OptimizedModule hand unknown attributes to their child, so
+    # copy.deepcopy found the patched model's own hook and returned a copy of the bare model
+    forge.patch(qwen2, mode="infer", kernels=["rmsnorm"], min_elements=NEVER)
+    if wrap == "peft":
+        peft = pytest.importorskip("peft")
+        outer = peft.get_peft_model(qwen2, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    else:
+        outer = torch.compile(qwen2)
+    dup = copy.deepcopy(outer)
+    assert type(dup) is type(outer)
+    inner = dup.get_base_model() if wrap == "peft" else dup._orig_mod
+    assert inner is not qwen2 and forge.report(inner).patched
+    assert inner._forge_guard_stats is not qwen2._forge_guard_stats
+
+
+def test_deepcopy_of_a_forward_wrapped_after_patching_warns(qwen2, caplog):
+    # (accelerate's prepare wraps forward around forge's: the wrapper closes over the original's
+    # forge forward, so the copy cannot keep it, and says so)
+    forge.patch(qwen2, mode="infer", kernels=["rmsnorm"], min_elements=NEVER)
+    norm = qwen2.model.norm
+    inner = norm.forward
+    norm.forward = lambda *a, **k: inner(*a, **k)
+    with caplog.at_level(logging.WARNING, logger="forge"):
+        dup = copy.deepcopy(qwen2)
+    assert any("replaced after forge.patch" in r.getMessage() for r in caplog.records)
+    assert forge.report(dup).patched
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. a backend that cannot run this model is refused at patch time (auto takes another)
 

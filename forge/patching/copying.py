@@ -29,10 +29,17 @@ import copy
 import functools
 import logging
 import sys
+import weakref
 
 HOOKS = ("__reduce_ex__", "__deepcopy__")
 KEEP = object()  # the module's forward entry is not forge's: copy it as it is
 log = logging.getLogger("forge")
+_OURS = weakref.WeakSet()  # the forwards forge installed
+
+
+def mark(forward) -> None:
+    """Remember ``forward`` as forge's (a copy tells it from one installed over it later)."""
+    _OURS.add(forward)
 
 
 def module_hook(module, had, old):
@@ -92,7 +99,12 @@ def _plain(obj, forward, drop, protocol):
     if len(rv) > 2 and isinstance(rv[2], dict):
         state = {k: v for k, v in rv[2].items() if k not in HOOKS and k not in drop}
         if forward is not KEEP:
-            state.pop("forward", None)
+            cur = state.pop("forward", None)
+            if cur is not None and cur not in _OURS:
+                log.warning("forge: %s.forward was replaced after forge.patch (accelerate's prepare, which the HF "
+                            "Trainer calls, wraps it for mixed precision): it wraps forge's forward of the original "
+                            "and cannot be copied, so the copy runs without it. Copy the model before wrapping it",
+                            type(obj).__name__)
             if forward is not None:
                 state["forward"] = forward
         rv[2] = state
@@ -116,6 +128,13 @@ def _set_state_and_patch(call, obj, state):
 
 
 def _deepcopy(obj, forward, chain, memo):
+    caller = sys._getframe(1)
+    x = caller.f_locals.get("x", obj) if caller.f_code is copy.deepcopy.__code__ else obj
+    if x is not obj:
+        # reached through a wrapper made after patching that hands unknown attributes to its
+        # child (peft's PeftModel, torch.compile's OptimizedModule): copy the wrapper as copy
+        # does without a hook; its state's deep copy reaches obj's hook with obj itself
+        return copy._reconstruct(x, memo, *x.__reduce_ex__(4))
     call, drop = chain
     func, args, state, *items = _plain(obj, forward, drop, 4)
     if any(items):

@@ -185,8 +185,8 @@ def unpatch(model):
     _run(state.undo)
     _stacking.release(root)
     lora_dropout.release()  # the dropout draws' kept ones (the next draw of any model makes them again)
-    for obj in state.chain:
-        for name in _PUBLIC + copying.HOOKS:
+    for obj in state.chain:  # (root too where ``model`` is a shallow copy sharing the state)
+        for name in _PUBLIC + copying.HOOKS + ("_forge_state",):
             obj.__dict__.pop(name, None)
     return model
 

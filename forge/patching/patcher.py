@@ -155,6 +155,7 @@ class Patcher:
                 self._count(rec[3], -1)
             rec[3] = counted
         module.__dict__["forward"] = rec[5] = new_forward
+        copying.mark(new_forward)
         if count:
             self._count(key, 1)
 
