@@ -111,6 +111,23 @@ def test_patched_model_rejects_bad_labels_as_eager(backend):
     assert model._forge_guard_stats.fallback("fused_linear_ce") == 0  # the fused path refused them
 
 
+@pytest.mark.parametrize("model_type", arch_table.MOE)
+def test_moe_output_keeps_the_models_output_class(model_type):
+    # the fused path returned a CausalLMOutputWithPast: out.aux_loss and out.router_logits,
+    # None in eager's MoeCausalLMOutputWithPast, raised AttributeError
+    model = build_model(model_type)
+    ids, labels = ids_labels(model)
+    eager = model(ids, labels=labels)
+    need_backend(BACKENDS[0])
+    forge.patch(model, backend=BACKENDS[0], kernels=["fused_linear_ce"])
+    out = model(ids, labels=labels)
+    assert model._forge_guard_stats.fused("fused_linear_ce") == 1
+    assert isinstance(out, type(eager)) and out.logits is None
+    assert out.aux_loss is None and out.router_logits is None and eager.aux_loss is None
+    tup = model(ids, labels=labels, return_dict=False)
+    assert len(tup) == len(eager.to_tuple()) and tup[1] is None
+
+
 def _structure(out):
     return [type(x).__name__ for x in out]
 

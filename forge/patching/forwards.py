@@ -19,6 +19,7 @@ import inspect
 import itertools
 import sys
 import types
+import typing
 import weakref
 
 import torch
@@ -350,9 +351,24 @@ def causal_decoder_forward(orig, plain, where):
     return forward
 
 
+def _output_class(inner):
+    """The output dataclass HF's forward ``inner`` returns (its return annotation: MoE models give
+    MoeCausalLMOutputWithPast, with aux_loss and router_logits), else CausalLMOutputWithPast."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    try:
+        ret = typing.get_type_hints(inner).get("return")
+    except Exception:  # noqa: BLE001  (an annotation that does not resolve: the plain class)
+        ret = None
+    for c in (ret, *typing.get_args(ret)):
+        if isinstance(c, type) and dataclasses.is_dataclass(c) and {"loss", "logits"} <= {
+                f.name for f in dataclasses.fields(c)}:
+            return c
+    return CausalLMOutputWithPast
+
+
 @functools.cache
-def _fused_output_types():
-    """The fused loss's outputs: CausalLMOutputWithPast (isinstance holds) whose ``to_tuple``
+def _fused_output_types(base):
+    """The fused loss's outputs: ``base``, the model's own output class (isinstance holds), whose ``to_tuple``
     keeps eager's positions. HF's ``to_tuple`` (what ``return_dict=False`` returns, and what an
     int index reads) drops every None field, so eager's tuple is ``(loss, logits[, cache]
     [, hidden_states][, attentions])`` and the plain output's would be ``(loss, ...)``: the
@@ -360,9 +376,7 @@ def _fused_output_types():
     slot and, in the second type, in the cache slot too, for a call where eager would have
     built a KV cache and the fused path did not (no ``use_cache`` given). Same length, same
     positions; only the values forge never computes are None."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    class FusedLossOutput(CausalLMOutputWithPast):
+    class FusedLossOutput(base):
         _empty_slots = (None,)  # logits
 
         def to_tuple(self):
@@ -415,14 +429,13 @@ def fused_ce_forward(kernel, inner, softcap_attr, ks):
     for no KV cache unless the caller passes ``use_cache`` or going without one would change its
     attention masks (:func:`_masks_blind_to_cache`); with ``return_dict=False`` the tuple
     still has eager's length and positions (``_fused_output_types``)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    output_types = _fused_output_types()
+    base = _output_class(inner)
+    output_types = _fused_output_types(base)
     sig = inspect.signature(inner)
     params = list(sig.parameters.values())[1:]  # minus self
     varkw = next((q.name for q in params if q.kind is q.VAR_KEYWORD), None)
     named = [q.name for q in params if q.kind not in (q.VAR_KEYWORD, q.VAR_POSITIONAL)]
-    passthrough = [f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name not in ("loss", "logits")]
+    passthrough = [f.name for f in dataclasses.fields(base) if f.name not in ("loss", "logits")]
 
     @functools.wraps(inner)  # keeps HF's signature visible (generate() inspects logits_to_keep)
     def forward(self, *args, **kwargs):
