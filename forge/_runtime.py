@@ -70,14 +70,20 @@ def _always() -> bool:
 
 
 def op_route():
-    """The function the backends ask whether a kernel call goes through the op layer:
-    ``torch.compiler.is_compiling`` (the op layer only while torch.compile traces), or, with
-    ``FORGE_THROUGH_OPS=1``, always."""
+    """The function the backends ask whether a kernel call goes through the op layer: while
+    torch.compile traces, while ``torch.jit.trace`` records (the direct paths launch kernels the
+    tracer cannot see: a trace would keep their outputs as constants, or the kernels would read
+    traced sizes); or, with ``FORGE_THROUGH_OPS=1``, always."""
     if THROUGH_OPS:
         return _always
     import torch
 
-    return torch.compiler.is_compiling  # (itself: no extra Python frame on the eager hot path)
+    compiling, tracing = torch.compiler.is_compiling, torch._C._get_tracing_state
+
+    def route() -> bool:
+        return compiling() or tracing() is not None
+
+    return route
 
 
 def triton_interpreted() -> bool:

@@ -13,6 +13,8 @@ from forge import _runtime
 
 _runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
 
+import warnings  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -684,3 +686,33 @@ def test_through_ops_env_routes_every_kernel():
     with torch.profiler.profile() as prof:
         f(x, w).sum().backward()
     assert not [e.name for e in prof.events() if e.name.startswith("forge::")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jit_trace_records_the_kernels_as_ops(backend):
+    # torch.jit.trace cannot see a direct launch (Pallas through DLPack, a Triton kernel): the
+    # trace kept the kernels' outputs as constants, so a traced model gave the traced input's
+    # values for any other input (1.45 off in the logits with RMSNorm). While tracing, the
+    # kernels go through the op layer, which the tracer records
+    need_backend(backend)
+    model = build_model("qwen2").eval()
+    ids, _ = _batch(model)
+    other, _ = _batch(model, seed=7)
+    with torch.no_grad():
+        want = model(other).logits
+    forge.patch(model, backend=backend, kernels=["rmsnorm", "swiglu", "rope"], min_elements=0)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x, use_cache=False).logits
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # (HF's own, unpatched too)
+        traced = torch.jit.trace(Logits(model), (ids,), check_trace=False)
+        got = traced(other)
+    assert sum(model._forge_guard_stats.fused(k) for k in ("rmsnorm", "swiglu", "rope")) > 0
+    _close("traced logits", got, want, model.config.hidden_size)
