@@ -72,6 +72,12 @@ class GatedMLPFunction(torch.autograd.Function):
     @no_double_backward("gated MLP")
     def backward(ctx, dy):
         ops, need = ctx.ops, ctx.needs_input_grad
+        if getattr(ctx, "spent", False):
+            raise RuntimeError(
+                "forge's gated MLP backward can run only once per forward with this backend: it overwrites its "
+                "saved activations with their gradients (the memory of two rows x I activations). A second "
+                "backward(retain_graph=True) needs the forward run again (or backend='pallas' for the MLP, or "
+                "forge.patch(recompute_mlp=True))")
         if ctx.recompute:
             x, w_gate, w_up, w_down = ctx.saved_tensors
         else:
@@ -85,6 +91,7 @@ class GatedMLPFunction(torch.autograd.Function):
             dg, du, h = ops.act_bwd(dh, g.view(dh.shape), u.view(dh.shape))
             if ops.inplace and not ctx.recompute:
                 torch.autograd.graph.increment_version((g, u))
+                ctx.spent = True
             d_down = torch.mm(dy2.t(), h) if need[3] else None
             del h
             x2 = x.reshape(-1, x.shape[-1])
