@@ -133,6 +133,25 @@ def test_lora_mlp_follows_the_act_fn_the_mlp_calls():
     assert after._forge_guard_stats.fused("lora_mlp") == 0 and after._forge_guard_stats.fallback("lora_mlp") == 2
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_hooks_on_act_fn_run(lora):
+    # the fused GLU computes the activation itself: a hook on mlp.act_fn (activation capture)
+    # was skipped silently, called 0 times where eager calls it once per MLP
+    need_backend(CPU_BACKEND)
+    model = build_model("qwen2")
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    key = "lora_mlp" if lora else "swiglu"
+    forge.patch(model, backend=CPU_BACKEND, kernels=[key], min_elements=0)
+    seen = []
+    layers = model.get_base_model().model.layers if lora else model.model.layers
+    layers[0].mlp.act_fn.register_forward_hook(lambda m, i, o: seen.append(o))
+    logits_of(model, ids_for(model))
+    assert len(seen) == 1
+    assert model._forge_guard_stats.as_dict()[key] == {"fused": 1, "fallback": 1}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_glu_follows_the_act_fn_gpu(backend):

@@ -100,14 +100,16 @@ def glu_forward(kernel, mlp, train, act, act_type, orig, width, threshold, ks, r
     call overhead). Taken when the three projections are plain bias-free Linears (no autocast,
     no hooks, weights not sharded); otherwise the projections run as modules around ``kernel``.
     ``act_type``: the class of the module's ``act_fn`` whose activation ``kernel`` computes; a
-    call finding another there (swapped after patching) runs ``orig``, counted as a fallback.
+    call finding another there (swapped after patching), or hooks on it, runs ``orig``, counted
+    as a fallback.
     ``recompute``: the gated MLP keeps only its input for backward (forge.patch(recompute_mlp=)).
     ``defer``: as rmsnorm_forward's, but through :func:`_traced_glu`. Unfused calls inside a
     torch.compile trace take it too. ``stack``: gate and up are stored together
     (forge.patching.stacking): a call of at most ``stacking.GLU_ROWS`` rows reads them with one
     product."""
     def forward(self, x):
-        if type(self._modules.get("act_fn")) is not act_type:  # (a dict read: no Module.__getattr__)
+        a = self._modules.get("act_fn")  # (a dict read: no Module.__getattr__)
+        if type(a) is not act_type or a._forward_hooks or a._forward_pre_hooks:  # (the kernel never calls it)
             if not _compiling():
                 ks.fallback += 1
             return orig(self, x)

@@ -145,7 +145,7 @@ def row_blocks(rows: int, inter: int) -> list:
 
 def _mlp_forward(kernel, act, act_types, lora_linear, ks, recompute=False):
     """``act_types``: the act_fn classes computing ``act``; a call finding another (act_fn
-    swapped after patching) runs the module's own forward. ``recompute``: forge.patch's
+    swapped after patching), or hooks on it, runs the module's own forward. ``recompute``: forge.patch's
     recompute_mlp (the kernel keeps x, not gate's and up's outputs, for the backward)."""
     extra = {"recompute": True} if recompute else {}
 
@@ -159,7 +159,8 @@ def _mlp_forward(kernel, act, act_types, lora_linear, ks, recompute=False):
         mods = self._modules
         ps = [proj_params(mods[n], lora_linear, False) for n in _arch.MLP_PROJ]
         ts = None
-        if None not in ps and type(mods.get("act_fn")) in act_types:
+        a = mods.get("act_fn")
+        if None not in ps and type(a) in act_types and not (a._forward_hooks or a._forward_pre_hooks):
             ts = _call(x, args, kwargs, ps, _MLP_NAMES, [x] + [t for w, _, a, b, _, _ in ps for t in (w, a, b)])
         if ts is None:
             if not _compiling():
