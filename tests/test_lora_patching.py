@@ -521,6 +521,36 @@ def test_gradient_checkpointing(reentrant):
     assert pm._forge_guard_stats.fused("lora_qkv") == n and pm._forge_guard_stats.fused("lora_mlp") == n
 
 
+@pytest.mark.parametrize("state", ["merged", "disabled", "copied_merged"])
+def test_patched_while_merged_or_disabled_fuses_once_restored(state):
+    # merged / disabled are call-time states: patched in them (or a deep copy made in them), the
+    # layers were declined for good and ran peft's code after unmerge / enable
+    pm = lora_model("qwen2")
+    ref = copy.deepcopy(pm)
+    ids = batch(pm, "cpu")
+
+    def enter(m):
+        m.base_model.disable_adapter_layers() if state == "disabled" else m.merge_adapter()
+
+    def leave(m):
+        m.base_model.enable_adapter_layers() if state == "disabled" else m.unmerge_adapter()
+
+    enter(pm)
+    enter(ref)
+    forge.patch(pm, backend="triton", kernels=LORA)
+    if state == "copied_merged":
+        pm = copy.deepcopy(pm)
+    assert pm._forge_patched_counts == dict.fromkeys(LORA, 2)
+    with torch.no_grad():  # still merged / disabled: peft's own path, as unpatched
+        assert torch.equal(pm(ids).logits, ref(ids).logits)
+    assert pm._forge_guard_stats.fused("lora_qkv") == 0
+    leave(pm)
+    leave(ref)
+    eager, patched = step(ref, ids), step(pm, ids)
+    assert_like_eager(patched, eager, step(copy.deepcopy(ref).double(), ids), pm, ids)
+    assert pm._forge_guard_stats.fused("lora_qkv") == 2 and pm._forge_guard_stats.fused("lora_mlp") == 2
+
+
 def test_call_time_check_agrees_with_reasons():
     # fused_params (the per-call fast path) and misfit (the readable reasons) must agree
     from forge.patching.lora import _peft_linear, fused_params, misfit

@@ -50,9 +50,11 @@ def misfit(layer, lora_linear, *, bias_ok: bool, call: bool = True) -> str | Non
     base = layer.base_layer
     if type(base) is not nn.Linear:
         return f"base layer is {type(base).__name__}, not nn.Linear"
-    if layer.disable_adapters:
+    # (states a call checks: patched while merged or disabled, the layer fuses once unmerged or
+    # enabled again, as one patched before does; a deep copy patches itself in the state it has)
+    if call and layer.disable_adapters:
         return "adapters are disabled"
-    if layer.merged:
+    if call and layer.merged:
         return "the adapter is merged into the base weight"
     active = layer.active_adapters
     if len(active) != 1:
