@@ -449,6 +449,33 @@ def test_patch_declines_the_fused_loss_for_a_head_with_its_own_forward():
     assert "lm_head is a ScaledHead with its own forward" in str(forge.report(model))
 
 
+@pytest.mark.parametrize("how", ["instance", "property", "method"])
+def test_a_custom_loss_function_keeps_the_fused_loss_out(how):
+    # a subclass's own loss_function (focal loss, a task weight) was replaced by the fused
+    # plain cross-entropy, silently: 4.88 where the model computes 9.76
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    need_backend(CPU_BACKEND)
+
+    def doubled(logits, labels, vocab_size, **kw):
+        return 2.0 * ForCausalLMLoss(logits, labels, vocab_size, **kw)
+
+    model = build_model("qwen2")
+    if how == "property":
+        model.__class__ = type("Doubled", (type(model),), {"loss_function": property(lambda self: doubled)})
+    elif how == "method":
+        model.__class__ = type("Doubled", (type(model),), {"loss_function": staticmethod(doubled)})
+    else:
+        model.loss_function = doubled
+    ids = ids_for(model)
+    want = model(ids, labels=ids).loss
+    forge.patch(model, backend=CPU_BACKEND, kernels=["rmsnorm", "fused_linear_ce"], min_elements=0)
+    assert model._forge_skipped["fused_linear_ce"] == "the model has a custom loss function"
+    got = model(ids, labels=ids).loss
+    assert model._forge_guard_stats.fused("fused_linear_ce") == 0
+    assert torch.allclose(got, want, rtol=1e-5), (got, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. arguments: forge.ops.get, forge.patch, forge.report
 

@@ -82,9 +82,21 @@ def head_declines(model) -> str | None:
     if (lm._forward_hooks or lm._forward_pre_hooks or lm._backward_hooks or lm._backward_pre_hooks
             or _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks):
         return "lm_head has module hooks (the fused loss never calls it)"
-    if "_loss_function" in model.__dict__ or getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+    if ("_loss_function" in model.__dict__ or getattr(model, "loss_type", None) not in (None, "ForCausalLM")
+            or _class_loss(type(model))):
         return "the model has a custom loss function"
     return None
+
+
+@functools.cache
+def _class_loss(cls) -> bool:
+    """``cls`` (a subclass) defines a loss of its own: ``loss_function`` other than transformers'
+    property, or a class-level ``_loss_function``."""
+    from transformers import PreTrainedModel
+
+    return (inspect.getattr_static(cls, "loss_function", None)
+            is not inspect.getattr_static(PreTrainedModel, "loss_function", None)
+            or inspect.getattr_static(cls, "_loss_function", None) is not None)
 
 
 def _bare_calls_ok() -> bool:
