@@ -369,6 +369,41 @@ def test_weights_pointed_elsewhere_after_patch_keep_their_memory(stack_on, then)
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("how", ["another_model", "flat_buffer"])
+def test_weights_sharing_memory_at_patch_time_stay_where_they_are(stack_on, how):
+    # TRL's reference model shares its first layers' storages with the policy's (ref.data =
+    # policy.data); stacking moved them into forge's block: the sharing ended (a write to the
+    # policy's weight no longer reached the reference) and the old memory stayed beside the block
+    model = _model()
+    ref = copy.deepcopy(model)
+    if how == "another_model":
+        other = copy.deepcopy(model)
+        for p, q in zip(model.model.layers[0].parameters(), other.model.layers[0].parameters()):
+            q.data = p.data
+        shared = list(other.model.layers[0].parameters())
+        target = other
+    else:
+        shared = list(model.model.layers[0].parameters())
+        flat = torch.cat([p.detach().reshape(-1) for p in shared])
+        o = 0
+        for p in shared:
+            p.data = flat[o:o + p.numel()].view_as(p)
+            o += p.numel()
+        target = model
+    before = [p.data_ptr() for p in shared]
+    forge.patch(target, mode="infer", kernels=KERNELS, min_elements=0)
+    assert [p.data_ptr() for p in shared] == before
+    layer1 = target.model.layers[1].self_attn  # (nothing shared there: stacked as before)
+    assert stacking.stacked([layer1._modules[n].weight for n in QKV]) is not None
+    with torch.no_grad():
+        for p in (model.model.layers[0].parameters() if how == "another_model" else shared):
+            p.mul_(0.5)
+        for p in ref.model.layers[0].parameters():
+            p.mul_(0.5)
+        ids = _ids(target, 2, 3)
+        torch.testing.assert_close(target(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-6)
+
+
 def test_a_copied_layer_brings_no_hooks_past_unpatch(stack_on):
     # a decoder layer deep-copied from an infer-patched model carries forge's saving hooks (a copy
     # of a part comes back unpatched, its weights its own); put into the model, unpatch removes them
