@@ -551,6 +551,23 @@ def test_patched_while_merged_or_disabled_fuses_once_restored(state):
     assert pm._forge_guard_stats.fused("lora_qkv") == 2 and pm._forge_guard_stats.fused("lora_mlp") == 2
 
 
+def test_float16_model_with_fp32_adapters_runs_peft():
+    # peft runs fp32 adapters of a float16 model in fp32; the kernels read them in float16, and
+    # the adapters' gradients went past the oracle's bound (lora_B 1.3x it). Outside autocast such
+    # calls run peft's code; adapters in float16 fuse
+    for adapters in (torch.float32, torch.float16):
+        pm = lora_model("llama", dtype=torch.float16)
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.to(adapters)
+        forge.patch(pm, backend="triton", kernels=LORA)
+        with torch.no_grad():
+            pm(batch(pm, "cpu"))
+        stats = pm._forge_guard_stats
+        fused = adapters is torch.float16
+        assert (stats.fused("lora_qkv") > 0) is fused and (stats.fallback("lora_qkv") > 0) is not fused
+
+
 def test_call_time_check_agrees_with_reasons():
     # fused_params (the per-call fast path) and misfit (the readable reasons) must agree
     from forge.patching.lora import _peft_linear, fused_params, misfit

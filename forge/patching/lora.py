@@ -109,12 +109,16 @@ def _cast(dtype, names, ts):
 
 def _call(x, args, kwargs, ps, names, ts):
     """The tensors of a fused call (``ts`` with autocast's casts), or None when this call does
-    not fit: extra arguments, x not in the base's dtype outside autocast, adapters in two dtypes."""
+    not fit: extra arguments, x not in the base's dtype outside autocast, adapters in two dtypes,
+    or a float16 model's fp32 adapters outside autocast (peft then runs them in fp32: rounded to
+    float16, as the kernels read them, the adapters' gradients went past the oracle's bound)."""
     cd = _compute_dtype(x, args, kwargs, ps[0][0])
     if cd is None or not _one_adapter_dtype(ps):
         return None
     if torch.is_autocast_enabled(x.device.type):
         ts = _cast(cd, names, ts)
+    elif cd is torch.float16 and any(p[2] is not None and p[2].dtype is not torch.float16 for p in ps):
+        return None
     return ts
 
 
