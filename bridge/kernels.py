@@ -102,12 +102,32 @@ def _check_glu(spec, gate, up):
     check_devices(gate=gate, up=up)
 
 
+# The GLU kernels count a call's elements in int32 (forge_pallas/glu.py): a call of more elements
+# than GLU_MAX_ELEMENTS (rows x intermediate: 1 x 131072 tokens at Qwen2.5-7B's 18944 has 2.5e9)
+# runs as calls over consecutive pieces of GLU_PIECE elements of the flattened tensors, and its
+# outputs are joined (one copy, at those sizes only). Without it the count wrapped and most of the
+# output was never written.
+GLU_MAX_ELEMENTS = (1 << 31) - 4096
+GLU_PIECE = 1 << 30
+
+
+def _glu_apply(kdef, *ts):
+    n = ts[0].numel()
+    if n <= GLU_MAX_ELEMENTS:
+        return core.apply(kdef, *ts)
+    flats = [t.reshape(-1) for t in ts]
+    outs = [core.apply(kdef, *(f[o:o + GLU_PIECE] for f in flats)) for o in range(0, n, GLU_PIECE)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts).view(ts[0].shape) for parts in zip(*outs))
+    return torch.cat(outs).view(ts[0].shape)
+
+
 def _glu(kdef, spec, gate, up):
     sig = (kdef.name, _tsig(gate, up))
     checked(sig, _check_glu, spec, gate, up)
     if gate.numel() == 0:
         return spec.reference(gate, up)
-    return core.apply(kdef, gate, up)
+    return _glu_apply(kdef, gate, up)
 
 
 def swiglu(gate, up):
@@ -124,7 +144,7 @@ def mlp_act(act: str) -> dict:
     torch.compile, as every ``core.apply`` does)."""
     kind = "swiglu" if act == "silu" else "geglu"
     kdef, bwd_act = (SWIGLU if kind == "swiglu" else GEGLU), GLU_BWD_ACT[kind]
-    return dict(act=lambda g, u: core.apply(kdef, g, u), act_bwd=lambda dh, g, u: core.apply(bwd_act, dh, g, u),
+    return dict(act=lambda g, u: _glu_apply(kdef, g, u), act_bwd=lambda dh, g, u: _glu_apply(bwd_act, dh, g, u),
                 inplace=False, device_type="cpu" if runtime.interpret() else "cuda")
 
 

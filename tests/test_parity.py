@@ -372,3 +372,26 @@ def test_rope_unsqueeze_dim_must_be_an_int(unsqueeze_dim):
     cos = torch.randn(1, 4, 8)
     with pytest.raises(ValueError, match="unsqueeze_dim must be 1"):
         rope_spec.check_args(q, q, cos, cos, unsqueeze_dim)
+
+
+@pytest.mark.parametrize("key", ["swiglu", "gated_mlp"])
+def test_pallas_glu_calls_past_int32_run_in_pieces(key, device, monkeypatch):
+    # Pallas' GLU counts a call's elements in int32: at rows x intermediate >= 2**31 (1 x 131072
+    # tokens at Qwen2.5-7B) the count wrapped and most of the output was never written. Such
+    # calls run in pieces; here the limit is lowered so a small call takes that path
+    need_backend("pallas")
+    kernels = pytest.importorskip("bridge.kernels")
+    launches = []
+    apply = kernels.core.apply
+    monkeypatch.setattr(kernels, "GLU_MAX_ELEMENTS", 100)
+    monkeypatch.setattr(kernels, "GLU_PIECE", 64)
+    monkeypatch.setattr(kernels.core, "apply", lambda kdef, *ts, **kw: launches.append(ts[0].numel()) or apply(
+        kdef, *ts, **kw))
+    if key == "swiglu":
+        _check(key, "pallas", swiglu_spec.reference, _glu_case(*_glu_inputs((3, 50), torch.float32, device)))
+    else:
+        _check(key, "pallas", mlp_spec.reference, _mlp_case(*_mlp_inputs((5, 8, 30), torch.float32, device), "silu"))
+    assert launches and max(launches) <= 64 and 150 in [sum(launches[i:i + 3]) for i in range(len(launches))]
+    with pytest.raises(ValueError, match="must fit in int32"):
+        from forge_pallas import _common
+        _common.rows_operand(1 << 31)
