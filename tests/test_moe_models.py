@@ -113,6 +113,15 @@ def test_router_aux_loss_unchanged():
     assert model._forge_guard_stats.fused("experts") == 1
 
 
+def test_router_logits_in_the_config_decline_the_fused_loss():
+    # every training call then needs the model's own forward (the auxiliary loss reads the
+    # logits): the fused loss was counted patched and never ran, with nothing said
+    model = _model("qwen3_moe", output_router_logits=True)
+    forge.patch(model, backend="triton", min_elements=0)
+    assert "fused_linear_ce" not in model._forge_patched_counts
+    assert "output_router_logits" in model._forge_skipped["fused_linear_ce"]
+
+
 def test_generate_token_identical():
     """Greedy decoding (prefill, then one token per step: the decode shape of the expert block)
     gives eager's tokens (the patched forward replaces whichever experts implementation the

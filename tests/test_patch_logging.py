@@ -117,3 +117,20 @@ def test_peft_wrapped_head_or_norms_are_declined_with_the_wrapper_named(case, lo
     forge.patch(pm, kernels=[key])
     assert want in pm._forge_skipped[key]
     assert any(f"{key} declined" in m and want in m for m in levels(log, logging.WARNING))
+
+
+def test_infer_qkv_follows_ropes_guard_and_reports_it(log):
+    # the one q/k/v product compared x's elements (rows x hidden) with RoPE's threshold, which
+    # RoPE compares with q's and k's (rows x (q + k widths)): at a threshold between the two
+    # RoPE fused and the product did not; the report said qkv had no size guard
+    model = build_model("qwen2").eval()
+    c = model.config
+    rows = 2 * 8
+    qk = rows * (c.num_attention_heads + c.num_key_value_heads) * (c.hidden_size // c.num_attention_heads)
+    assert rows * c.hidden_size < qk
+    forge.patch(model, mode="infer", kernels=["rope", "qkv"], min_elements={"rope": qk})
+    with torch.no_grad():
+        model(torch.zeros(2, 8, dtype=torch.long))
+    stats = model._forge_guard_stats
+    assert stats.fused("rope") == stats.fused("qkv") == c.num_hidden_layers
+    assert forge.report(model).kernels["qkv"].min_elements == qk

@@ -465,6 +465,9 @@ def _apply_fused_ce(root, arch, p):
         why = f"{type(root).__name__}.forward is not transformers' own"
     elif "labels" not in inspect.signature(fw.innermost(type(root).forward)).parameters:
         why = f"{type(root).__name__}.forward takes no labels"
+    elif getattr(getattr(root, "config", None), "output_router_logits", False):
+        why = ("config.output_router_logits is on: every training call adds the experts' auxiliary loss, which "
+               "needs the model's own forward (its logits)")
     else:  # (checked again on every call: fw.fused_ce_forward)
         why = fw.head_declines(root)
     if why:

@@ -50,6 +50,7 @@ class Patcher:
         self._compile_kernels = compile_kernels  # forge.patch(compile_kernels=): see defers()
         self._min_fused = min_fused  # the default thresholds (forge.MIN_FUSED_ELEMENTS); None: forge.defaults'
         self._loaded: dict[str, tuple] = {}
+        self.inherited: dict[str, str] = {}  # a kernel that follows another's size guard -> that kernel
         self._records: list[list] = []       # [module, had_instance_attr, old_attr, key, attr name, forge's]
         self._by_id: dict[int, list] = {}
         self.quiet: set[str] = set()         # skips that only say a kernel does not apply
@@ -192,8 +193,10 @@ class Patcher:
         return hit
 
     def thresholds(self) -> dict[str, int]:
-        """min_elements of each patched kernel that has a size guard (rmsnorm, swiglu, ...)."""
-        return {k: self.min_elements(k) for k in self.counts if k in SHAPE_SENSITIVE}
+        """min_elements of each patched kernel that has a size guard (rmsnorm, swiglu, ...; the
+        infer-mode q/k/v product follows RoPE's)."""
+        return {k: self.min_elements(self.inherited.get(k, k)) for k in self.counts
+                if k in SHAPE_SENSITIVE or k in self.inherited}
 
     def backends(self) -> dict[str, str]:
         return {k: v[0] for k, v in self._loaded.items() if v[0] is not None and k in self.counts}

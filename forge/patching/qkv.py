@@ -197,10 +197,15 @@ def apply(p, attns) -> None:
 def _stacked(attn, x, args, kwargs, threshold=0):
     """(q, k, v) from one product over the weights stored together (forge.patching.stacking), else
     None. Inference only; k and v are views of the product (the cache update and attention read
-    strided rows as they do a transposed projection). Only in calls the guard fuses: x of at
-    least ``threshold`` elements (RoPE's, the kernel of the same attention call), or captured."""
-    if args or kwargs or _compiling() or (x.numel() < threshold and not CAPTURE.on):
+    strided rows as they do a transposed projection). Only in calls the guard fuses: those whose
+    q and k have at least ``threshold`` elements together (RoPE's guard, the kernel of the same
+    attention call), or captured."""
+    if args or kwargs or _compiling():
         return None
+    if threshold and not CAPTURE.on:
+        m = attn._modules
+        if x.numel() // x.shape[-1] * (m["q_proj"].weight.shape[0] + m["k_proj"].weight.shape[0]) < threshold:
+            return None
     wb = stacking.weights(attn, QKV, x)
     if wb is None:
         return None
@@ -219,6 +224,8 @@ def _apply_stacked(p, attns) -> None:
         return
     # (RoPE's threshold where forge patched RoPE, else none: the fusion was asked for alone)
     thr = p.min_elements("rope") if "rope" in p.counts else 0
+    if "rope" in p.counts:
+        p.inherited[KEY] = "rope"
     _install(p, fit, functools.partial(_stacked, threshold=thr))
 
 

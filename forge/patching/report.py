@@ -150,7 +150,7 @@ def log_patch(root, state, p, graphs) -> None:
             warn_once(f"forge.patch: {key} declined: {why}")
     # declines that are no skip: a guard that never fuses by default, graphs that never replay
     for key, t in info.thresholds.items():
-        if t >= _never() and not p.min_elements_given(key):
+        if t >= _never() and not p.min_elements_given(p.inherited.get(key, key)):
             (warn_once if p.explicit else info_once)(f"forge.patch: {key} on {info.backends[key]} in mode={p.mode!r}: its default min_elements is "
                       "forge.NEVER (forge.MIN_FUSED_ELEMENTS), so every call runs the original forward; "
                       "forge.patch(min_elements=...) fuses")
