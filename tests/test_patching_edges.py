@@ -169,6 +169,16 @@ def test_unpatching_a_shallow_copy_leaves_no_half_patched_original(qwen2):
     assert not forge.report(qwen2).patched and not forge_entries(qwen2)
 
 
+def test_deepcopy_of_a_shallow_copy(qwen2):
+    # the shallow copy carries the original's hooks in its own dict: it deep-copies as the
+    # original (whose modules it shares), a patched model of its own
+    forge.patch(qwen2, mode="infer", kernels=["rmsnorm"], min_elements=NEVER)
+    dup = copy.deepcopy(copy.copy(qwen2))
+    assert type(dup) is type(qwen2) and dup.model is not qwen2.model and forge.report(dup).patched
+    ids = ids_for(qwen2)
+    assert torch.equal(logits(dup, ids), logits(qwen2, ids))
+
+
 @pytest.mark.parametrize("wrap", ["peft", "compile"])
 def test_deepcopy_of_a_wrapper_made_after_patching_keeps_the_wrapper(qwen2, wrap):
     # PeftModel and torch.compile's OptimizedModule hand unknown attributes to their child, so

@@ -130,11 +130,13 @@ def _set_state_and_patch(call, obj, state):
 def _deepcopy(obj, forward, chain, memo):
     caller = sys._getframe(1)
     x = caller.f_locals.get("x", obj) if caller.f_code is copy.deepcopy.__code__ else obj
-    if x is not obj:
+    if x is not obj and "__deepcopy__" not in getattr(x, "__dict__", {}):
         # reached through a wrapper made after patching that hands unknown attributes to its
         # child (peft's PeftModel, torch.compile's OptimizedModule): copy the wrapper as copy
-        # does without a hook; its state's deep copy reaches obj's hook with obj itself
-        return copy._reconstruct(x, memo, *x.__reduce_ex__(4))
+        # does without a hook; its state's deep copy reaches obj's hook with obj itself. (A
+        # shallow copy of obj carries obj's hooks in its own dict: it copies as obj, the modules
+        # it shares with obj.)
+        return copy._reconstruct(x, memo, *type(x).__reduce_ex__(x, 4))
     call, drop = chain
     func, args, state, *items = _plain(obj, forward, drop, 4)
     if any(items):

@@ -219,8 +219,8 @@ def _apply_stacked(p, attns) -> None:
     stacking.stack(free, QKV, p.undo)
     fit = [a for a in free if stacking.stacked([a._modules[n].weight for n in QKV]) is not None]
     if not fit:
-        p.skip(KEY, "no attention module's q/k/v projections are plain nn.Linear of one dtype and device",
-               applies=False)
+        p.skip(KEY, "no attention module's q/k/v weights could be stored together (plain nn.Linear of one "
+                    "dtype and device, their memory shared with no other tensor)", applies=False)
         return
     # (RoPE's threshold where forge patched RoPE, else none: the fusion was asked for alone)
     thr = p.min_elements("rope") if "rope" in p.counts else 0

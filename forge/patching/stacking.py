@@ -43,6 +43,7 @@ from torch import nn
 
 log = logging.getLogger("forge")
 _TOLD = False  # the saving hook's info line was logged (once a process; later ones at debug)
+_TOLD_SHARED: set = set()  # the name groups whose shared-memory line was logged (once a process)
 
 STACK_INFER = True  # forge.patch(mode="infer") stacks q/k/v and gate/up weights (read at patch time)
 GLU_ROWS = 16  # gate and up as one product for calls of at most this many rows (decoding steps)
@@ -193,10 +194,12 @@ def stack(modules, names, undo) -> list:
         if mine:  # (its own list: a copy of this module alone copies only its own weights)
             moved.extend(mine)
             undo.append(parent.register_state_dict_pre_hook(functools.partial(_before_saving, mine)).remove)
-    if shared:
-        log.info("forge.patch: %d modules keep %s where they are, apart: their memory is shared with other "
-                 "tensors (another model's layers, a buffer of the caller's), which moving would end",
-                 shared, "/".join(names))
+    if shared and names not in _TOLD_SHARED:
+        _TOLD_SHARED.add(names)
+        log.info("forge.patch: %s weights left apart where their memory is shared with other tensors "
+                 "(another model's layers, a buffer of the caller's, a state_dict or autograd graph still "
+                 "alive), which moving them would end: those modules run the separate products",
+                 "/".join(names))
     return any_stacked
 
 
