@@ -55,11 +55,11 @@ def install(traced) -> None:
 
 
 def call(kdef: KernelDef, *tensors, **static) -> tuple:
-    """The kernel's outputs (a tuple) under torch.compile: through the op layer's registered op,
-    differentiable by its registered autograd."""
+    """The kernel's outputs (a tuple) under torch.compile (or torch.jit.trace): through the op
+    layer's registered op, differentiable by its registered autograd."""
     if _TRACED is None:
-        raise RuntimeError(f"triton kernel {kdef.name!r} under torch.compile: its ops are not registered; "
-                           "take the kernel from forge.ops.get(key, 'triton') (or forge.patch the model)")
+        raise RuntimeError(f"triton kernel {kdef.name!r} under torch.compile or torch.jit.trace: its ops are not "
+                           "registered; take the kernel from forge.ops.get(key, 'triton') (or forge.patch the model)")
     return _TRACED(kdef, tensors, static)
 
 
