@@ -88,15 +88,20 @@ def head_declines(model) -> str | None:
     return None
 
 
-@functools.cache
+_CLASS_LOSS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # (a class made at run time can go)
+
+
 def _class_loss(cls) -> bool:
     """``cls`` (a subclass) defines a loss of its own: ``loss_function`` other than transformers'
     property, or a class-level ``_loss_function``."""
-    from transformers import PreTrainedModel
+    hit = _CLASS_LOSS.get(cls)
+    if hit is None:
+        from transformers import PreTrainedModel
 
-    return (inspect.getattr_static(cls, "loss_function", None)
-            is not inspect.getattr_static(PreTrainedModel, "loss_function", None)
-            or inspect.getattr_static(cls, "_loss_function", None) is not None)
+        hit = _CLASS_LOSS[cls] = (inspect.getattr_static(cls, "loss_function", None)
+                                  is not inspect.getattr_static(PreTrainedModel, "loss_function", None)
+                                  or inspect.getattr_static(cls, "_loss_function", None) is not None)
+    return hit
 
 
 def _bare_calls_ok() -> bool:
