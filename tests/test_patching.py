@@ -429,14 +429,20 @@ def test_activation_the_kernel_does_not_compute_is_declined():
     assert "gelu" in model._forge_skipped["geglu"]
 
 
-def test_error_while_patching_leaves_model_unpatched(qwen2, monkeypatch):
+@pytest.mark.parametrize("where", ["_apply_fused_ce", "publish", "log_patch"])
+def test_error_while_patching_leaves_model_unpatched(qwen2, monkeypatch, where):
+    # (an error after the kernels were applied, while the state was published or logged, left
+    # the model patched, and before the state existed, past what unpatch could undo)
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(core, "_apply_fused_ce", boom)
+    monkeypatch.setattr(core if where == "_apply_fused_ce" else core.copying if where == "publish" else core._report,
+                        where, boom)
     with pytest.raises(RuntimeError, match="boom"):
         forge.patch(qwen2)
     assert not instance_forwards(qwen2) and not hasattr(qwen2, "_forge_state")
+    assert not any(k.startswith("_forge") or k in ("__reduce_ex__", "__deepcopy__")
+                   for m in qwen2.modules() for k in m.__dict__)
 
 
 @pytest.mark.parametrize("backend", ops.BACKENDS)

@@ -152,23 +152,27 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         _apply_fused_ce(root, arch, p)
         _apply_causal_mask(root, p)
         g = _apply_graphs(root, p) if graphs else None
-    except BaseException:
+        backends = p.backends()
+        info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
+                            {b: b != TORCH and ops.interpreted(b) for b in set(backends.values())})
+        # (the default table is not bound: a copy loaded elsewhere reads that process's defaults)
+        call = functools.partial(patch, mode=mode, backend=backend_req, min_elements=min_req,
+                                 kernels=requested if explicit else None, graphs=graphs, recompute_mlp=recompute_mlp,
+                                 compile_kernels=compile_kernels,
+                                 min_fused=None if min_fused is defaults.MIN_FUSED_ELEMENTS else min_fused)
+        state = _State(args[:7], p._records, undo + p.undo, [], call, info,
+                       (info.counts, info.skipped, p.stats, backends, g))
+        root.__dict__["_forge_state"] = state
+        copying.publish(state, chain, _PUBLIC)
+        _report.log_patch(root, state, p, g)
+    except BaseException:  # (an interrupt or a failing log handler too: the model is left as it was)
+        for obj in chain:
+            for name in _PUBLIC + copying.HOOKS + ("_forge_state",):
+                obj.__dict__.pop(name, None)
         p.restore()
         _run(p.undo)
         _run(undo)
         raise
-    backends = p.backends()
-    info = _report.Info(mode, dict(p.counts), dict(p.skipped), backends, p.thresholds(),
-                 {b: b != TORCH and ops.interpreted(b) for b in set(backends.values())})
-    # (the default table is not bound: a copy loaded elsewhere reads that process's defaults)
-    call = functools.partial(patch, mode=mode, backend=backend_req, min_elements=min_req,
-                             kernels=requested if explicit else None, graphs=graphs, recompute_mlp=recompute_mlp,
-                             compile_kernels=compile_kernels,
-                             min_fused=None if min_fused is defaults.MIN_FUSED_ELEMENTS else min_fused)
-    state = _State(args[:7], p._records, undo + p.undo, [], call, info, (info.counts, info.skipped, p.stats, backends, g))
-    root.__dict__["_forge_state"] = state
-    copying.publish(state, chain, _PUBLIC)
-    _report.log_patch(root, state, p, g)
     return model
 
 
