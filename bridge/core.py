@@ -45,13 +45,16 @@ import functools
 import torch
 
 from forge import _runtime as _forge_runtime
-from forge.spec._check import refuse_double_backward
+from forge.spec._check import BoundedCache, refuse_double_backward
 
 from . import dlpack, native, runtime
 
 _through_ops = _forge_runtime.op_route()  # torch.compiler.is_compiling, or always with FORGE_THROUGH_OPS=1
 
 _REGISTRY: dict[str, "KernelDef"] = {}
+
+
+_JITS = 64  # jitted functions a kernel keeps, per pass (the oldest goes first)
 
 
 class KernelDef:
@@ -73,9 +76,11 @@ class KernelDef:
         # with symbolic sizes reads these as ints (bridge/_ops.py, _shape_eval)
         self.static_dims = tuple(static_dims)
         self.writes = tuple(writes)  # (the forward's inputs updated in place: see the module docstring)
-        self._fwd_jit: dict = {}  # static key -> jitted fwd
-        self._bwd_jit: dict = {}  # (static key, needs) -> jitted bwd
-        self._py: dict = {}  # (pass, static key, needs) -> the plain function (native plans)
+        # (bounded: a static key can hold a row count, the fused loss's chunk rows, so a run of
+        # ever new token counts would keep a compiled program for each, ~5 MB apiece on the CPU)
+        self._fwd_jit = BoundedCache(_JITS)  # static key -> jitted fwd
+        self._bwd_jit = BoundedCache(_JITS)  # (static key, needs) -> jitted bwd
+        self._py = BoundedCache(_JITS)  # (pass, static key, needs) -> the plain function (native plans)
         _REGISTRY[name] = self
 
     def __repr__(self):

@@ -289,3 +289,17 @@ def test_freed_output_memory_is_not_overwritten_early():
         bridge.swiglu(torch.randn_like(g), torch.randn_like(u))
         mismatches += int(not torch.allclose(z, expect, rtol=1e-3, atol=1e-2))
     assert mismatches == 0
+
+
+def test_jitted_functions_per_kernel_are_bounded():
+    # a static key can hold a row count (the fused loss's chunk rows): a run of ever new token
+    # counts kept a compiled program for each (~5 MB apiece on the CPU), without bound
+    kd = core.KernelDef("test_bounded_jits", lambda x, n: (x * n,), None, diff=())
+    try:
+        for n in range(core._JITS + 10):
+            kd.fwd_fn((("n", n),))
+            kd.py_fn("fwd", (("n", n),))
+        assert len(kd._fwd_jit) == len(kd._py) == core._JITS
+        assert (("n", core._JITS + 9),) in kd._fwd_jit and (("n", 0),) not in kd._fwd_jit
+    finally:
+        core._REGISTRY.pop("test_bounded_jits", None)
