@@ -42,6 +42,11 @@ def mark(forward) -> None:
     _OURS.add(forward)
 
 
+def ours(forward) -> bool:
+    """Whether ``forward`` is one forge installed (Patcher.replace_forward marks each)."""
+    return forward in _OURS
+
+
 def module_hook(module, had, old):
     """The ``__reduce_ex__`` of a module whose forward forge replaced (``had``: an instance
     forward ``old`` was there before)."""
@@ -100,7 +105,7 @@ def _plain(obj, forward, drop, protocol):
         state = {k: v for k, v in rv[2].items() if k not in HOOKS and k not in drop}
         if forward is not KEEP:
             cur = state.pop("forward", None)
-            if cur is not None and cur not in _OURS:
+            if cur is not None and not ours(cur):
                 log.warning("forge: %s.forward was replaced after forge.patch (accelerate's prepare, which the HF "
                             "Trainer calls, wraps it for mixed precision): it wraps forge's forward of the original "
                             "and cannot be copied, so the copy runs without it. Copy the model before wrapping it",

@@ -166,9 +166,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         copying.publish(state, chain, _PUBLIC)
         _report.log_patch(root, state, p, g)
     except BaseException:  # (an interrupt or a failing log handler too: the model is left as it was)
-        for obj in chain:
-            for name in _PUBLIC + copying.HOOKS + ("_forge_state",):
-                obj.__dict__.pop(name, None)
+        _unpublish(chain)
         p.restore()
         _run(p.undo)
         _run(undo)
@@ -189,10 +187,15 @@ def unpatch(model):
     _run(state.undo)
     _stacking.release(root)
     lora_dropout.release()  # the dropout draws' kept ones (the next draw of any model makes them again)
-    for obj in state.chain:  # (root too where ``model`` is a shallow copy sharing the state)
+    _unpublish(state.chain)  # (root too where ``model`` is a shallow copy sharing the state)
+    return model
+
+
+def _unpublish(objs) -> None:
+    """Take forge's public attributes, copy hooks and state off the model and its wrappers."""
+    for obj in objs:
         for name in _PUBLIC + copying.HOOKS + ("_forge_state",):
             obj.__dict__.pop(name, None)
-    return model
 
 
 def report(model):

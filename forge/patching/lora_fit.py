@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import copying
+
 
 def peft_linear():
     try:
@@ -25,12 +27,7 @@ def _hooked(mod) -> bool:
     if d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]:
         return True
     f = d.get("forward")
-    return f is not None and not _forges(f)
-
-
-def _forges(f) -> bool:
-    """An instance forward forge installed (the q/k/v slots, lora_o's): forge's own module's code."""
-    return getattr(getattr(f, "__func__", None), "__module__", "").startswith("forge.")
+    return f is not None and not copying.ours(f)  # (forge's own: the q/k/v slots, lora_o's)
 
 
 def _hooked_reason(*mods) -> str | None:

@@ -197,15 +197,10 @@ def apply(p, attns) -> None:
 def _stacked(attn, x, args, kwargs, threshold=0):
     """(q, k, v) from one product over the weights stored together (forge.patching.stacking), else
     None. Inference only; k and v are views of the product (the cache update and attention read
-    strided rows as they do a transposed projection). Only in calls the guard fuses: those whose
-    q and k have at least ``threshold`` elements together (RoPE's guard, the kernel of the same
-    attention call), or captured."""
-    if args or kwargs or _compiling():
+    strided rows as they do a transposed projection). Only in calls the guard fuses: x of at
+    least ``threshold`` elements (RoPE's guard in x's terms: :func:`_x_threshold`), or captured."""
+    if args or kwargs or _compiling() or (x.numel() < threshold and not CAPTURE.on):
         return None
-    if threshold and not CAPTURE.on:
-        m = attn._modules
-        if x.numel() // x.shape[-1] * (m["q_proj"].weight.shape[0] + m["k_proj"].weight.shape[0]) < threshold:
-            return None
     wb = stacking.weights(attn, QKV, x)
     if wb is None:
         return None
@@ -223,10 +218,19 @@ def _apply_stacked(p, attns) -> None:
                     "dtype and device, their memory shared with no other tensor)", applies=False)
         return
     # (RoPE's threshold where forge patched RoPE, else none: the fusion was asked for alone)
-    thr = p.min_elements("rope") if "rope" in p.counts else 0
+    thr = 0
     if "rope" in p.counts:
         p.inherited[KEY] = "rope"
+        thr = _x_threshold(p.min_elements("rope"), fit[0])
     _install(p, fit, functools.partial(_stacked, threshold=thr))
+
+
+def _x_threshold(rope_min: int, attn) -> int:
+    """RoPE's guard, which counts q's and k's elements (rows x (q + k widths)), as a count of x's
+    elements (rows x hidden): the same calls pass both. (The layers of a model share widths.)"""
+    m = attn._modules
+    qk = m["q_proj"].weight.shape[0] + m["k_proj"].weight.shape[0]
+    return -(-rope_min // qk) * m["q_proj"].weight.shape[1]
 
 
 def _free(attns):
