@@ -141,7 +141,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
             raise errors.BackendUnavailableError(why)
     undo = []
     try:
-        undo = _hub_kernels_off(root)
+        _hub_kernels_off(root, undo)
         if mode == "infer":
             for k in TRAIN_ONLY:
                 if k in requested:
@@ -180,14 +180,18 @@ def unpatch(model):
         _chain, root = _unwrap(model)
     except errors.UnsupportedModelError:
         return model
-    state = root.__dict__.pop("_forge_state", None)
+    state = root.__dict__.get("_forge_state")
     if state is None:
         return model
+    # Each step takes what it has done off the state (records, undo calls), and the state goes
+    # last: an unpatch interrupted part-way (an interrupt, an out-of-memory error while giving
+    # stacked weights their own memory) leaves the model patched, and unpatch again finishes it.
     restore(state.records)
     _run(state.undo)
     _stacking.release(root)
     lora_dropout.release()  # the dropout draws' kept ones (the next draw of any model makes them again)
     _unpublish(state.chain)  # (root too where ``model`` is a shallow copy sharing the state)
+    root.__dict__.pop("_forge_state", None)
     return model
 
 
@@ -221,38 +225,41 @@ def guard_stats(model) -> GuardStats:
     return root._forge_guard_stats
 
 
-def _hub_kernels_off(root) -> list:
+def _hub_kernels_off(root, undo: list) -> None:
     """Turn off transformers' hub kernels on ``root`` (``use_kernels``, which ``from_pretrained``
-    turns on wherever the ``kernels`` package is installed) and return the call that turns them
-    back on as they were. While they are on, every ``train()`` or ``eval()`` that changes the
-    model's mode kernelizes it again, which puts transformers' forward back on each RMSNorm
-    module: forge's RMSNorm would be dropped at the trainer's first ``model.train()``, silently."""
+    turns on wherever the ``kernels`` package is installed), the call that turns them back on as
+    they were appended to ``undo`` first (so a patch that fails from here on turns them back on).
+    While they are on, every ``train()`` or ``eval()`` that changes the model's mode kernelizes it
+    again, which puts transformers' forward back on each RMSNorm module: forge's RMSNorm would be
+    dropped at the trainer's first ``model.train()``, silently."""
     if not getattr(root, "use_kernels", False):
-        return []
+        return
     config = getattr(root, "kernel_config", None)
+    # (back on in the mode the model is in then, as its own train()/eval() would choose it)
+    undo.append(lambda: root.set_use_kernels(True, kernel_config=config))
     try:
         root.set_use_kernels(False)
     except Exception as e:  # noqa: BLE001  (transformers cannot kernelize meta weights: offloaded)
+        undo.pop()
         _report.log.warning("forge.patch: transformers' hub kernels (use_kernels) could not be turned off for "
                             "this model (%s: %s); they stay on", type(e).__name__, e)
-        return []
+        return
     _report.log.info("forge.patch: transformers' hub kernels (use_kernels) are off for this model while "
                      "it is patched: train()/eval() would kernelize it again over forge's RMSNorm; "
                      "forge.unpatch turns them back on")
-    # (back on in the mode the model is in then, as its own train()/eval() would choose it)
-    return [lambda: root.set_use_kernels(True, kernel_config=config)]
 
 
 def _run(calls) -> None:
     """Run the undo calls, newest first, every one of them: one that raises is logged and the
     rest still run (turning transformers' hub kernels back on raises on a model whose weights
     accelerate offloaded to the meta device; the model is otherwise restored)."""
-    for call in reversed(calls):
+    while calls:  # (each taken off once it ran: an interrupt leaves the rest, and itself, to a retry)
         try:
-            call()
+            calls[-1]()
         except Exception as e:  # noqa: BLE001
             _report.log.warning("forge: a step of undoing the patch failed and was skipped: %s: %s",
                                 type(e).__name__, e)
+        calls.pop()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,23 +227,30 @@ def _find_kernel(key, want, auto, device_types, float64):
 
 def restore(records) -> None:
     """Undo replace_forward / replace_method records, newest first: delete the instance attribute,
-    or put back the one that was there, so the module's forward is again exactly what it was."""
-    for module, had, old, _key, name, ours in reversed(records):
+    or put back the one that was there, so the module's forward is again exactly what it was.
+    Each record is taken off the list once done (an interrupt leaves the rest to a retry), and the
+    warnings come after all of them."""
+    replaced = []
+    while records:
+        module, had, old, _key, name, ours = records[-1]
         d = module.__dict__
         for hook in copying.HOOKS:
             d.pop(hook, None)
-        if d.get(name) is not ours:
-            if d.get("_old_forward") is ours and "_hf_hook" in d:
-                # accelerate's hook (dispatch, offloading) wraps forge's forward and calls the one
-                # in _old_forward: that gets the module's own back, the hook stays as unpatched
-                d["_old_forward"] = old if had else types.MethodType(type(module).forward, module)
-                continue
-            log.warning("forge.unpatch: %s.%s was replaced after forge.patch (accelerate's prepare, which the "
-                        "HF Trainer calls, wraps a model's forward around forge's for mixed precision): the "
-                        "replacement is removed with forge's, and the module runs its own %s without it. "
-                        "Unpatch before wrapping the model to keep such a wrapper", type(module).__name__, name, name)
-        if had:
-            d[name] = old
+        if d.get(name) is not ours and d.get("_old_forward") is ours and "_hf_hook" in d:
+            # accelerate's hook (dispatch, offloading) wraps forge's forward and calls the one
+            # in _old_forward: that gets the module's own back, the hook stays as unpatched
+            d["_old_forward"] = old if had else types.MethodType(type(module).forward, module)
         else:
-            d.pop(name, None)
+            if d.get(name) is not ours:
+                replaced.append((type(module).__name__, name))
+            if had:
+                d[name] = old
+            else:
+                d.pop(name, None)
+        records.pop()
+    for cls, name in replaced:
+        log.warning("forge.unpatch: %s.%s was replaced after forge.patch (accelerate's prepare, which the "
+                    "HF Trainer calls, wraps a model's forward around forge's for mixed precision): the "
+                    "replacement is removed with forge's, and the module runs its own %s without it. "
+                    "Unpatch before wrapping the model to keep such a wrapper", cls, name, name)
 
