@@ -135,21 +135,29 @@ def _block_of(ts):
     return (st.data_ptr(), st.nbytes()) if st.nbytes() == sum(t.numel() * t.element_size() for t in ts) else None
 
 
-def _move(ts) -> bool:
-    """Put the tensors (parameters) back to back in one new block, each keeping its object; False
-    where they already lie so (tensors a loader placed back to back in one block), which unpatch
-    then leaves as they are. (A deepcopy of a stacked model is not stacked: torch copies each
-    parameter on its own.)"""
-    if stacked(ts) is not None:
-        return False
-    with torch.no_grad():
-        block = torch.cat([t.detach() for t in ts])  # (dtype and device checked by _plain)
-        o = 0
-        for t in ts:
-            n = t.shape[0]
-            t.data = block[o:o + n]
-            o += n
-    return True
+def _move(g) -> None:
+    """Put the tensors (parameters) of group ``g`` back to back in one new block, each keeping its
+    object, where they do not lie so already, and set ``g.block``. An interrupt part-way leaves
+    each tensor in its own memory again. (A deepcopy of a stacked model is not stacked: torch
+    copies each parameter on its own.)"""
+    if stacked(g) is None:
+        with torch.no_grad():
+            block = torch.cat([t.detach() for t in g])  # (dtype and device checked by _plain)
+            before = [t.data for t in g]
+            try:
+                o = 0
+                for t in g:
+                    n = t.shape[0]
+                    t.data = block[o:o + n]
+                    o += n
+                g.block = _block_of(g)
+            except BaseException:
+                for t, d in zip(g, before):
+                    t.data = d
+                g.block = None
+                raise
+    else:
+        g.block = _block_of(g)
 
 
 def _unmove(g) -> int:
@@ -173,27 +181,38 @@ def stack(modules, names, undo) -> list:
     if not STACK_INFER:
         return False
     moved, any_stacked, shared = [], False, 0
-    undo.append(lambda: unstack(moved))
-    for parent in modules:
-        mods = [parent._modules.get(n) for n in names]
-        if any(m is None for m in mods) or misfit(mods, names) is not None:
-            continue
-        pairs = [[getattr(m, a) for m in mods] for a in ("weight", "bias")]
-        if any(stacked(ts) is None and shares_memory(ts) for ts in pairs if ts[0] is not None):
-            shared += 1
-            continue
-        any_stacked = True
-        mine = _adopted(parent)
-        for attr in ("weight", "bias"):
-            ts = [getattr(m, attr) for m in mods]
-            if ts[0] is not None and _move(ts) and not any(len(g) == len(ts) and all(map(
-                    operator.is_, g, ts)) for g in mine):
-                mine.append(_group(ts))
-        for g in mine:  # (an adopted group's tensors may have been stacked only now: a deep copy's)
-            g.block = _block_of(g)
-        if mine:  # (its own list: a copy of this module alone copies only its own weights)
-            moved.extend(mine)
-            undo.append(parent.register_state_dict_pre_hook(functools.partial(_before_saving, mine)).remove)
+    try:
+        for parent in modules:
+            mods = [parent._modules.get(n) for n in names]
+            if any(m is None for m in mods) or misfit(mods, names) is not None:
+                continue
+            pairs = [[getattr(m, a) for m in mods] for a in ("weight", "bias")]
+            if any(stacked(ts) is None and shares_memory(ts) for ts in pairs if ts[0] is not None):
+                shared += 1
+                continue
+            any_stacked = True
+            mine = _adopted(parent)  # (an adopted group's tensors may be stacked only now: a deep copy's)
+            moved.extend(mine)  # (each group is on the undo list before its tensors move)
+            for ts in pairs:
+                if ts[0] is None:
+                    continue
+                g = next((g for g in mine if len(g) == len(ts) and all(map(operator.is_, g, ts))), None)
+                if g is None:
+                    if stacked(ts) is not None:  # (placed back to back by a loader: unpatch leaves them)
+                        continue
+                    g = _Group(ts)
+                    mine.append(g)
+                    moved.append(g)
+                _move(g)
+            for g in mine:  # (adopted groups the loop above did not meet: found again, or not)
+                g.block = _block_of(g)
+            if mine:  # (its own list: a copy of this module alone copies only its own weights)
+                hook = parent.register_state_dict_pre_hook(functools.partial(_before_saving, mine))
+                # (gone at unpatch once its groups are apart; a group that could not be given its own
+                # memory keeps it, so that saving still does, and the next unpatch tries again)
+                undo.append(lambda mine=mine, hook=hook: any(g.block for g in mine) or hook.remove())
+    finally:  # (last on the list, so the first undone: the groups apart before their hooks go)
+        undo.append(lambda: unstack(moved))
     if shared and names not in _TOLD_SHARED:
         _TOLD_SHARED.add(names)
         log.info("forge.patch: %s weights left apart where their memory is shared with other tensors "
@@ -204,8 +223,19 @@ def stack(modules, names, undo) -> list:
 
 
 def unstack(moved) -> int:
-    n = sum(_unmove(g) for g in moved)
-    moved.clear()
+    """Give every group of ``moved`` its own memory (:func:`_unmove`), those done taken off the
+    list; one that fails (out of memory) stays on it and the first error is raised after the
+    others were done."""
+    n, left, err = 0, [], None
+    for g in moved:
+        try:
+            n += _unmove(g)
+        except Exception as e:  # noqa: BLE001
+            left.append(g)
+            err = err or e
+    moved[:] = left
+    if err is not None:
+        raise err
     return n
 
 
@@ -215,7 +245,12 @@ def release(root) -> None:
     them) go, their groups unstacked, so nothing of forge's stays on the model."""
     for m in root.modules():
         if m._state_dict_pre_hooks:
-            unstack(_adopted(m))
+            groups = _adopted(m)
+            try:
+                unstack(groups)
+            finally:
+                if groups:  # (those not apart keep their hook: saving still parts them, unpatch retries)
+                    m.register_state_dict_pre_hook(functools.partial(_before_saving, groups))
 
 
 def _before_saving(moved, module, prefix, keep_vars) -> None:
