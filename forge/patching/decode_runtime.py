@@ -33,6 +33,7 @@ import contextlib
 import functools
 import gc
 import logging
+import threading
 import types
 
 import torch
@@ -85,13 +86,30 @@ def _packed_sdpa(orig, attention, module, query, key, value, attention_mask, dro
     return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
 
 
+class _Swap:
+    """The one process-wide swap of transformers' "sdpa" entry that every :func:`packed_gqa` in
+    flight shares: installed by the first to enter, put back by the last to leave (in whatever
+    order they leave: two threads decoding on two models). Each thread's calls take the kernel
+    of its own innermost packed_gqa; a thread with none in flight gets the original."""
+    lock = threading.Lock()
+    users = 0
+    had = before = orig = None
+    mine = threading.local()  # .kernels: this thread's stack of decoding kernels (or None)
+
+
+def _swapped(*args, **kwargs):
+    kernels = getattr(_Swap.mine, "kernels", None)
+    if not kernels:
+        return _Swap.orig(*args, **kwargs)
+    return _packed_sdpa(_Swap.orig, kernels[-1], *args, **kwargs)
+
+
 @contextlib.contextmanager
 def packed_gqa(attention=None):
-    """While a decoding step runs uncaptured or is captured: transformers' "sdpa" attention
-    through :func:`_packed_sdpa`, with ``attention`` the decoding kernel or None (a replay runs
-    the kernels recorded then). The swap is
-    process-wide for its duration; the packed function computes what the original does, so a
-    concurrent caller elsewhere gets the same results."""
+    """While a decoding step runs uncaptured or is captured: transformers' "sdpa" attention of
+    this thread through :func:`_packed_sdpa`, with ``attention`` the decoding kernel or None (a
+    replay runs the kernels recorded then). The entry is swapped process-wide while any such
+    step runs (:class:`_Swap`); other threads' calls go to the original."""
     try:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as fns
     except ImportError:
@@ -101,16 +119,26 @@ def packed_gqa(attention=None):
     if not isinstance(local, dict):
         yield
         return
-    had, before = "sdpa" in local, local.get("sdpa")
-    orig = fns["sdpa"]
-    local["sdpa"] = lambda *a, **k: _packed_sdpa(orig, attention, *a, **k)
+    with _Swap.lock:
+        if _Swap.users == 0:
+            _Swap.had, _Swap.before, _Swap.orig = "sdpa" in local, local.get("sdpa"), fns["sdpa"]
+            local["sdpa"] = _swapped
+        _Swap.users += 1
+    kernels = _Swap.mine.__dict__.setdefault("kernels", [])
+    kernels.append(attention)
     try:
         yield
     finally:
-        if had:
-            local["sdpa"] = before
-        else:
-            local.pop("sdpa", None)
+        kernels.pop()
+        with _Swap.lock:
+            _Swap.users -= 1
+            if _Swap.users == 0:
+                if local.get("sdpa") is _swapped:  # (one registered since by the caller stays)
+                    if _Swap.had:
+                        local["sdpa"] = _Swap.before
+                    else:
+                        local.pop("sdpa", None)
+                _Swap.had = _Swap.before = _Swap.orig = None
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)

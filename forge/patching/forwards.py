@@ -266,15 +266,15 @@ def rebuilt_with(fn, inner, names: dict):
     """``fn`` (a class's forward, ``inner`` its innermost function) rebuilt over a copy of
     ``inner``'s module globals in which each of ``names`` is replaced: the module itself, and
     every other model using it, keep theirs. The copy's ``sys.modules`` entry goes with the
-    rebuilt function (or at once, if the rebuild fails: RebuildError)."""
+    rebuilt function (or at once, if the rebuild fails)."""
     g = _globals_module(inner.__globals__)
     g.update(names)
     try:
         built = rebuild(fn, lambda f: copy_function(f, g, f.__closure__))
-    except RebuildError:
+        weakref.finalize(built, sys.modules.pop, g["__name__"], None)
+    except BaseException:  # (RebuildError, or an interrupt: the entry goes either way)
         sys.modules.pop(g["__name__"], None)
         raise
-    weakref.finalize(built, sys.modules.pop, g["__name__"], None)
     return built
 
 
