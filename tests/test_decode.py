@@ -22,6 +22,7 @@ import contextlib  # noqa: E402
 import copy  # noqa: E402
 import functools  # noqa: E402
 import inspect  # noqa: E402
+import threading  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -947,3 +948,28 @@ def test_packed_gqa_attention_matches_repeated_kv(attention):
     with decode_runtime.packed_gqa():
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_packed_gqa_is_this_threads_and_overlapping_steps_put_the_entry_back(monkeypatch):
+    # packed_gqa swapped transformers' process-wide "sdpa" entry and put back what it had found:
+    # two decoding steps overlapping in two threads that ended out of order (A in, B in, A out,
+    # B out) left A's function there for good, so every later one-token SDPA call of any model
+    # went through forge's attention; and while a step ran, other threads' calls went through it
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as fns
+
+    monkeypatch.setitem(fns._local_mapping, "sdpa", lambda *a, **k: "orig")
+    monkeypatch.setattr(decode_runtime, "_packed_sdpa", lambda orig, kernel, *a, **k: ("packed", kernel))
+    mine = fns["sdpa"]
+    a, b = decode_runtime.packed_gqa("A"), decode_runtime.packed_gqa("B")
+    a.__enter__()
+    assert fns["sdpa"]() == ("packed", "A")
+    b.__enter__()
+    assert fns["sdpa"]() == ("packed", "B")
+    elsewhere = []
+    t = threading.Thread(target=lambda: elsewhere.append(fns["sdpa"]()))
+    t.start()
+    t.join()
+    assert elsewhere == ["orig"]
+    a.__exit__(None, None, None)
+    b.__exit__(None, None, None)
+    assert fns._local_mapping["sdpa"] is mine and fns["sdpa"]() == "orig"

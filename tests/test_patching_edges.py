@@ -13,6 +13,7 @@ from forge import _runtime
 _runtime.ensure_triton_mode()  # before transformers imports triton (building a model does)
 
 import ast  # noqa: E402
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import io  # noqa: E402
 import logging  # noqa: E402
@@ -536,3 +537,145 @@ def test_patching_after_dispatch_says_why_nothing_is_patched():
     forge.patch(model, min_elements=0)
     assert "patch before dispatching" in model._forge_skipped["rmsnorm"]
     assert not any(model._forge_patched_counts.get(k) for k in ("rmsnorm", "swiglu", "rope"))
+
+
+def _owns(p):
+    return p.untyped_storage().nbytes() == p.numel() * p.element_size()
+
+
+class _Raising(logging.Filter):
+    """A logging filter that raises on a record holding ``text`` (a broken log sink, or an
+    interrupt arriving while forge logs)."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record):
+        if self.text in record.getMessage():
+            raise RuntimeError("log sink down")
+        return True
+
+
+@contextlib.contextmanager
+def _raising_logs(text):
+    log, f = logging.getLogger("forge"), _Raising(text)
+    level = log.level
+    log.addFilter(f)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeFilter(f)
+        log.setLevel(level)
+
+
+def test_an_unpatch_stopped_part_way_is_finished_by_the_next():
+    # unpatch took forge's state off the model before restoring anything: stopped part-way (here
+    # its warning about a forward wrapped after patching raising; equally an interrupt) it left
+    # forge's forwards on the model for good, report said unpatched, and unpatch again did nothing
+    model = build_model("qwen2").eval()
+    ids = ids_for(model)
+    ref = logits(model, ids)
+    forge.patch(model, min_elements=0)
+    inner = model.forward
+    model.forward = lambda *a, **k: inner(*a, **k)  # (a wrapper put on after patching, as accelerate's prepare)
+    with _raising_logs("replaced after forge.patch"), pytest.raises(RuntimeError, match="log sink down"):
+        forge.unpatch(model)
+    assert forge.report(model).patched
+    forge.unpatch(model)
+    assert not forge.report(model).patched and not _forge_forwards(model)
+    assert not [k for k in model.__dict__ if k.startswith("_forge")]
+    assert torch.equal(logits(model, ids), ref)
+
+
+def test_an_interrupted_infer_patch_leaves_each_weight_its_own_memory(monkeypatch):
+    # mode="infer" moved q/k/v and gate/up weights into one block before their group reached the
+    # patch's undo list: an interrupt in between left them sharing one storage for good (a later
+    # patch took them for a loader's layout and unpatch left them; savers then drop the views)
+    from forge.patching import stacking
+
+    model = build_model("qwen2").eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(_owns(p) for p in model.parameters())
+
+    def interrupted(ts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stacking, "_block_of", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        forge.patch(model, mode="infer", min_elements=0)
+    monkeypatch.undo()
+    assert not forge.report(model).patched
+    for n, p in model.named_parameters():
+        assert _owns(p) and torch.equal(p, before[n]), n
+
+
+def test_unpatch_parts_stacked_weights_after_an_out_of_memory_error(monkeypatch):
+    # giving stacked weights their own memory back can run out of memory: the error was logged and
+    # swallowed, the saving hooks that part them were gone, and the unpatched model kept q/k/v and
+    # gate/up as views of one block. Now a failed group keeps its hook and unpatch tries it again;
+    # where it fails again unpatch raises, the model stays patched, and the next unpatch finishes
+    from forge.patching import stacking
+
+    real = stacking._unmove
+    for fails in (1, 1000):
+        model = build_model("qwen2").eval()
+        ids = ids_for(model)
+        ref = logits(model, ids)
+        forge.patch(model, mode="infer", min_elements=0)
+        assert not all(_owns(p) for p in model.parameters())
+        left = [fails]
+
+        def oom(g):
+            if left[0] > 0:
+                left[0] -= 1
+                raise torch.OutOfMemoryError("out of memory (simulated)")
+            return real(g)
+
+        monkeypatch.setattr(stacking, "_unmove", oom)
+        if fails == 1:
+            forge.unpatch(model)
+        else:
+            with pytest.raises(torch.OutOfMemoryError):
+                forge.unpatch(model)
+            assert forge.report(model).patched
+            monkeypatch.setattr(stacking, "_unmove", real)
+            forge.unpatch(model)
+        monkeypatch.setattr(stacking, "_unmove", real)
+        assert not forge.report(model).patched
+        assert all(_owns(p) for p in model.parameters()), fails
+        assert not any(m._state_dict_pre_hooks for m in model.modules())
+        assert torch.equal(logits(model, ids), ref)
+
+
+def test_a_failed_patch_turns_transformers_hub_kernels_back_on(tmp_path):
+    # patch turned transformers' hub kernels off and made their undo only afterwards: a patch that
+    # failed in between (here its own log line raising) left them off for good
+    from transformers import AutoModelForCausalLM
+
+    build_model("qwen2").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    if not model.use_kernels:
+        pytest.skip("transformers turned no hub kernels on here (no kernels package, or USE_HUB_KERNELS=0)")
+    with _raising_logs("hub kernels"), pytest.raises(RuntimeError, match="log sink down"):
+        forge.patch(model, min_elements=0)
+    assert model.use_kernels and not forge.report(model).patched
+
+
+def test_an_interrupted_rebuild_leaves_no_module_globals_behind(monkeypatch):
+    # a forward rebuilt over a copy of its module's globals registers that copy in sys.modules;
+    # a rebuild that failed other than by RebuildError (an interrupt) left the entry behind
+    from forge.patching import forwards
+
+    def interrupted(fn, make):
+        raise KeyboardInterrupt
+
+    def fn():
+        return 1
+
+    monkeypatch.setattr(forwards, "rebuild", interrupted)
+    before = {k for k in sys.modules if k.startswith("forge._patched_globals.")}
+    with pytest.raises(KeyboardInterrupt):
+        forwards.rebuilt_with(fn, fn, {})
+    assert {k for k in sys.modules if k.startswith("forge._patched_globals.")} == before
