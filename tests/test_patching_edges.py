@@ -679,3 +679,20 @@ def test_an_interrupted_rebuild_leaves_no_module_globals_behind(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         forwards.rebuilt_with(fn, fn, {})
     assert {k for k in sys.modules if k.startswith("forge._patched_globals.")} == before
+
+
+def test_a_failed_patch_of_a_peft_model_leaves_no_hook_on_its_wrappers():
+    # a patch failing after it put its copy hooks on the wrappers (here its closing log line
+    # raising) took them off the model it was called on and the inner model, not off peft's
+    # LoraModel between them, which kept forge's __deepcopy__ with no state to remove it
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False))
+    ids = ids_for(model)
+    ref = logits(model, ids)
+    with _raising_logs("  kernel "), pytest.raises(RuntimeError, match="log sink down"):  # (its table)
+        forge.patch(model, min_elements=0)
+    assert not forge.report(model).patched
+    assert not forge_entries(model)
+    assert torch.equal(logits(model, ids), ref)

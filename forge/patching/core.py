@@ -139,7 +139,7 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
         ok, why = ops.fits(b, p.device_types, p.float64)
         if not ok:
             raise errors.BackendUnavailableError(why)
-    undo = []
+    undo, published = [], []
     try:
         _hub_kernels_off(root, undo)
         if mode == "infer":
@@ -162,14 +162,16 @@ def patch(model, mode="train", backend="auto", min_elements=None, kernels=None, 
                                  min_fused=None if min_fused is defaults.MIN_FUSED_ELEMENTS else min_fused)
         state = _State(args[:7], p._records, undo + p.undo, [], call, info,
                        (info.counts, info.skipped, p.stats, backends, g))
+        published = state.chain  # (the wrappers publish puts forge's hooks on, down to root)
         root.__dict__["_forge_state"] = state
         copying.publish(state, chain, _PUBLIC)
         _report.log_patch(root, state, p, g)
     except BaseException:  # (an interrupt or a failing log handler too: the model is left as it was)
-        _unpublish(chain)
+        _unpublish([*chain, *published])
         p.restore()
         _run(p.undo)
         _run(undo)
+        _stacking.release(root)  # (a saving hook an interrupt caught before its undo was listed)
         raise
     return model
 

@@ -248,18 +248,17 @@ def rebuild(fn, make_inner):
 _GLOBALS_SEQ = itertools.count()
 
 
-def _globals_module(g: dict) -> dict:
-    """A copy of a module's globals that is itself a module's ``__dict__``, registered in
-    ``sys.modules`` under a name of its own: torch.compile finds a function's globals through the
-    module named by ``__name__`` (it guards on them there), so a plain dict copy that still says
-    HF's module name would be read back as HF's module. The entry goes when the last function
-    using these globals does (weakref.finalize on the rebuilt forward, see :func:`rebuilt_with`)."""
+def _globals_module(g: dict) -> types.ModuleType:
+    """A module whose ``__dict__`` is a copy of a module's globals, under a name of its own, for
+    ``sys.modules`` (:func:`rebuilt_with` registers it): torch.compile finds a function's globals
+    through the module named by ``__name__`` (it guards on them there), so a plain dict copy that
+    still says HF's module name would be read back as HF's module. The entry goes when the last
+    function using these globals does (weakref.finalize on the rebuilt forward)."""
     name = f"forge._patched_globals.{g.get('__name__', 'module')}.{next(_GLOBALS_SEQ)}"
     mod = types.ModuleType(name)
     mod.__dict__.update(g)
     mod.__dict__["__name__"] = name
-    sys.modules[name] = mod
-    return mod.__dict__
+    return mod
 
 
 def rebuilt_with(fn, inner, names: dict):
@@ -267,13 +266,15 @@ def rebuilt_with(fn, inner, names: dict):
     ``inner``'s module globals in which each of ``names`` is replaced: the module itself, and
     every other model using it, keep theirs. The copy's ``sys.modules`` entry goes with the
     rebuilt function (or at once, if the rebuild fails)."""
-    g = _globals_module(inner.__globals__)
+    mod = _globals_module(inner.__globals__)
+    g = mod.__dict__
     g.update(names)
-    try:
+    try:  # (the entry is made inside: an interrupt anywhere from here takes it out again)
+        sys.modules[mod.__name__] = mod
         built = rebuild(fn, lambda f: copy_function(f, g, f.__closure__))
-        weakref.finalize(built, sys.modules.pop, g["__name__"], None)
-    except BaseException:  # (RebuildError, or an interrupt: the entry goes either way)
-        sys.modules.pop(g["__name__"], None)
+        weakref.finalize(built, sys.modules.pop, mod.__name__, None)
+    except BaseException:  # (RebuildError, or an interrupt)
+        sys.modules.pop(mod.__name__, None)
         raise
     return built
 

@@ -181,38 +181,34 @@ def stack(modules, names, undo) -> list:
     if not STACK_INFER:
         return False
     moved, any_stacked, shared = [], False, 0
-    try:
-        for parent in modules:
-            mods = [parent._modules.get(n) for n in names]
-            if any(m is None for m in mods) or misfit(mods, names) is not None:
+    undo.append(lambda: unstack(moved))  # (run last: the groups no saving hook holds yet)
+    for parent in modules:
+        mods = [parent._modules.get(n) for n in names]
+        if any(m is None for m in mods) or misfit(mods, names) is not None:
+            continue
+        pairs = [[getattr(m, a) for m in mods] for a in ("weight", "bias")]
+        if any(stacked(ts) is None and shares_memory(ts) for ts in pairs if ts[0] is not None):
+            shared += 1
+            continue
+        any_stacked = True
+        mine = _adopted(parent)  # (an adopted group's tensors may be stacked only now: a deep copy's)
+        moved.extend(mine)  # (each group is on the undo list before its tensors move)
+        for ts in pairs:
+            if ts[0] is None:
                 continue
-            pairs = [[getattr(m, a) for m in mods] for a in ("weight", "bias")]
-            if any(stacked(ts) is None and shares_memory(ts) for ts in pairs if ts[0] is not None):
-                shared += 1
-                continue
-            any_stacked = True
-            mine = _adopted(parent)  # (an adopted group's tensors may be stacked only now: a deep copy's)
-            moved.extend(mine)  # (each group is on the undo list before its tensors move)
-            for ts in pairs:
-                if ts[0] is None:
+            g = next((g for g in mine if len(g) == len(ts) and all(map(operator.is_, g, ts))), None)
+            if g is None:
+                if stacked(ts) is not None:  # (placed back to back by a loader: unpatch leaves them)
                     continue
-                g = next((g for g in mine if len(g) == len(ts) and all(map(operator.is_, g, ts))), None)
-                if g is None:
-                    if stacked(ts) is not None:  # (placed back to back by a loader: unpatch leaves them)
-                        continue
-                    g = _Group(ts)
-                    mine.append(g)
-                    moved.append(g)
-                _move(g)
-            for g in mine:  # (adopted groups the loop above did not meet: found again, or not)
-                g.block = _block_of(g)
-            if mine:  # (its own list: a copy of this module alone copies only its own weights)
-                hook = parent.register_state_dict_pre_hook(functools.partial(_before_saving, mine))
-                # (gone at unpatch once its groups are apart; a group that could not be given its own
-                # memory keeps it, so that saving still does, and the next unpatch tries again)
-                undo.append(lambda mine=mine, hook=hook: any(g.block for g in mine) or hook.remove())
-    finally:  # (last on the list, so the first undone: the groups apart before their hooks go)
-        undo.append(lambda: unstack(moved))
+                g = _Group(ts)
+                mine.append(g)
+                moved.append(g)
+            _move(g)
+        for g in mine:  # (adopted groups the loop above did not meet: found again, or not)
+            g.block = _block_of(g)
+        if mine:  # (its own list: a copy of this module alone copies only its own weights)
+            hook = parent.register_state_dict_pre_hook(functools.partial(_before_saving, mine))
+            undo.append(functools.partial(_unhook, mine, hook))
     if shared and names not in _TOLD_SHARED:
         _TOLD_SHARED.add(names)
         log.info("forge.patch: %s weights left apart where their memory is shared with other tensors "
@@ -220,6 +216,14 @@ def stack(modules, names, undo) -> list:
                  "alive), which moving them would end: those modules run the separate products",
                  "/".join(names))
     return any_stacked
+
+
+def _unhook(groups, hook) -> None:
+    """Undo of a saving hook: its groups apart, then the hook gone. Where a group cannot be given
+    its own memory (out of memory) this raises and the hook stays, so that saving still parts it,
+    and unpatch's :func:`release` tries again."""
+    unstack(groups)
+    hook.remove()
 
 
 def unstack(moved) -> int:
