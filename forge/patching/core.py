@@ -198,10 +198,13 @@ def unpatch(model):
 
 
 def _unpublish(objs) -> None:
-    """Take forge's public attributes, copy hooks and state off the model and its wrappers."""
+    """Take forge's public attributes, copy hooks and state off the model and its wrappers (the
+    state last: an unpatch stopped before then finds it and finishes)."""
     for obj in objs:
-        for name in _PUBLIC + copying.HOOKS + ("_forge_state",):
+        for name in _PUBLIC + copying.HOOKS:
             obj.__dict__.pop(name, None)
+    for obj in objs:
+        obj.__dict__.pop("_forge_state", None)
 
 
 def report(model):
