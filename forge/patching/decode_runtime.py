@@ -138,7 +138,8 @@ def packed_gqa(attention=None):
                         local["sdpa"] = _Swap.before
                     else:
                         local.pop("sdpa", None)
-                _Swap.had = _Swap.before = _Swap.orig = None
+                _Swap.had = _Swap.before = None  # (orig stays: a call that took the swapped
+                # entry just before it went back still reaches it)
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
