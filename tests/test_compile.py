@@ -664,7 +664,8 @@ def test_through_ops_env_routes_every_kernel():
     import sys
 
     backends = [b for b in BACKENDS if ops.availability(b)[0]]
-    env = dict(os.environ, FORGE_THROUGH_OPS="1", PYTHONPATH=os.getcwd())
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (the subprocess imports forge from it)
+    env = dict(os.environ, FORGE_THROUGH_OPS="1", PYTHONPATH=repo)
     res = subprocess.run([sys.executable, "-c", _THROUGH_OPS_SCRIPT, *backends], env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

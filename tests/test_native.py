@@ -27,6 +27,8 @@ from bridge import _jax_internals as JI  # noqa: E402
 from bridge import native  # noqa: E402
 from bridge.native import disk, launch, recipe, state  # noqa: E402
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (a subprocess imports forge from it)
+
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -632,7 +634,7 @@ def test_native_launch_in_a_fresh_process_is_cached(tmp_path):
                                     "compiles": st["compiles"], "sum": [float(t.double().sum()) for t in (y, x.grad, w.grad)]}))
     """)
     env = dict(os.environ, FORGE_CACHE_DIR=str(tmp_path), TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=os.getcwd())
+               PYTHONPATH=_REPO)
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True) for _ in range(2)]
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
@@ -654,7 +656,7 @@ def test_starting_jax_keeps_torchs_current_device():
         ops.get("rmsnorm", "pallas")(torch.randn(8, 64, device="cuda"), torch.randn(64, device="cuda"))
         assert torch.cuda.current_device() == 0, torch.cuda.current_device()
     """)
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=_REPO),
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
 
