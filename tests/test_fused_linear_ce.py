@@ -123,6 +123,22 @@ def test_against_reference(backend, dtype, case, shape, tile, device):
              reductions=spec.reductions(tensors["hidden"], tensors["weight"]))
 
 
+@pytest.mark.parametrize("backend", VARIANTS)
+@pytest.mark.parametrize("case", ["plain", "smooth_zloss_sum"])
+@pytest.mark.parametrize("offset", [300.0, 3000.0])
+def test_large_logits(backend, case, offset, device):
+    # fp32 logits around ``offset``: the probabilities and the loss are formed from the row's max
+    # and log sum-exp kept apart, so they keep fp32's precision (formed from lse = m + log s,
+    # they carried lse's rounding, relative to |lse|: 1e-3 to 1e-1 off at 3000, 17-240x the bound)
+    kwargs, bias, ignored = CASES[case]
+    tensors, labels = _inputs(*CPU_SHAPE, torch.float32, device, bias, ignored)
+    tensors["hidden"][:, 0] = 1.0
+    tensors["weight"][:, 0] = offset  # every logit = offset + N(0, 4)
+    check_op(_with_labels(_kernel(backend), labels), _with_labels(spec.reference, labels), tensors,
+             diff=tuple(tensors), kwargs=kwargs, out_names=["loss"],
+             reductions=spec.reductions(tensors["hidden"], tensors["weight"]))
+
+
 def _eager_lm_head(hidden, weight, labels, bias=None, *, reduction="mean", label_smoothing=0.0, z_loss=0.0):
     """The loss a model computes without forge: lm_head's logits in the input dtype, the loss over
     them upcast to fp32 (transformers' ForCausalLMLoss), so dL/dz is rounded to that dtype."""
